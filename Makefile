@@ -1,0 +1,35 @@
+# `make test` and `make demo` work on a fresh machine: each creates .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+export XLA_FLAGS := --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS := cpu
+export MPLBACKEND := Agg
+
+.PHONY: test demo bench lint typecheck clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev,train]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q jaxamp tests README.md
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxamp tests train
+	$(VENV)/bin/mypy jaxamp
+
+demo: $(STAMP)
+	$(PY) -m train.demo
+
+bench: $(STAMP)
+	$(PY) -m train.bench_overhead
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis runs

@@ -1,0 +1,7 @@
+"""Runs every test and doctest on 8 virtual CPU devices (set before jax is imported)."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

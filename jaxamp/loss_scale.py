@@ -1,0 +1,257 @@
+"""Loss scales: pytrees of arrays whose hyperparameters are static.
+
+Three kinds, all with the same methods:
+
+* :class:`NoOpLossScale`: a scale of 1 that never changes (the bf16 and fp32 default).
+* :class:`StaticLossScale`: a fixed scale.
+* :class:`DynamicLossScale`: ``torch.amp.GradScaler``'s rule, plus optional bounds and
+  hysteresis.
+
+Each is a ``flax.struct`` dataclass: its leaves are only arrays (the scale in fp32 and
+int32 counters) and every hyperparameter is a static field, so it survives
+flatten/unflatten, ``jit``, ``pmap``, ``jit(...).lower()`` and checkpoints whole.
+``adjust(grads_finite)`` returns the next state and never reads back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.typing import ArrayLike
+
+__all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
+
+_INT32_MAX = 2**31 - 1
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def _floating_leaves(tree: Any) -> list[jax.Array]:
+    return [x for x in jax.tree.leaves(tree)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: True when every element of every floating leaf of ``tree`` is finite.
+
+    Non-floating leaves are ignored; an empty tree is finite.
+
+    >>> import jax.numpy as jnp
+    >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.arange(2)}))
+    True
+    >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
+    False
+    """
+    leaves = _floating_leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+def _to_f32_scalar(value: Any, name: str) -> Any:
+    """Converts a python number to an fp32 scalar array; leaves traced or abstract values alone."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}; "
+                             "a loss scale of 0, a negative, inf or nan cannot unscale gradients")
+        return jnp.asarray(value, jnp.float32)
+    return value
+
+
+def _to_i32_scalar(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return jnp.asarray(value, jnp.int32)
+    return value
+
+
+class _LossScaleMethods:
+    """Methods shared by the three loss scales. ``loss_scale`` holds the current fp32 scale."""
+
+    loss_scale: Any
+
+    def scale(self, tree: Any) -> Any:
+        """Multiplies the floating leaves of ``tree`` by the scale (in their own dtype).
+
+        A loss should be scaled in fp32: ``scale(loss.astype(jnp.float32))``.
+        """
+        def mul(x):
+            if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+                return x
+            return x * self.loss_scale.astype(x.dtype)
+        return jax.tree.map(mul, tree)
+
+    def unscale(self, tree: Any) -> Any:
+        """Casts floating leaves to fp32 and multiplies them by ``1 / scale``."""
+        inv = 1.0 / self.loss_scale
+
+        def mul(x):
+            if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+                return x
+            return x.astype(jnp.float32) * inv
+        return jax.tree.map(mul, tree)
+
+
+@struct.dataclass
+class NoOpLossScale(_LossScaleMethods):
+    """No loss scaling: the scale is 1 and ``adjust`` returns ``self``.
+
+    >>> import jax.numpy as jnp
+    >>> s = NoOpLossScale()
+    >>> float(s.loss_scale), s.adjust(jnp.array(False)) is s
+    (1.0, True)
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:  # type: ignore[override]
+        return jnp.ones((), jnp.float32)
+
+    def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
+        del grads_finite
+        return self
+
+
+@struct.dataclass
+class StaticLossScale(_LossScaleMethods):
+    """A fixed loss scale.
+
+    >>> import jax.numpy as jnp
+    >>> s = StaticLossScale(2.0**12)
+    >>> float(s.scale(jnp.float32(1.5))), float(s.adjust(jnp.array(False)).loss_scale)
+    (6144.0, 4096.0)
+    """
+
+    loss_scale: Any = 2.0**15
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_scale", _to_f32_scalar(self.loss_scale, "loss_scale"))
+
+    def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
+        del grads_finite
+        return self
+
+
+@struct.dataclass
+class DynamicLossScale(_LossScaleMethods):
+    """A dynamic loss scale with ``torch.amp.GradScaler``'s defaults and timing.
+
+    The rule, applied once per step by :meth:`adjust`:
+
+    * on a non-finite step the growth counter resets; the hysteresis budget drops by one and,
+      once it is spent, the scale is multiplied by ``backoff_factor`` (not below ``min_scale``);
+    * on a finite step the counter advances; on the ``growth_interval``-th consecutive finite
+      step the scale is multiplied by ``growth_factor`` when the result is finite (capped at
+      ``max_scale``) and the counter resets.
+
+    With ``hysteresis=n`` the scale backs off only at the n-th overflow (DeepSpeed's delayed
+    shift). The budget refills at every growth (``hysteresis_refill="growth"``, Megatron-LM and
+    DeepSpeed's default) or at every finite step (``"finite"``, DeepSpeed's
+    ``consecutive_hysteresis=True``). ``hysteresis=1`` (the default) backs off on every overflow.
+
+    Attributes:
+      loss_scale: the current scale, an fp32 scalar (whatever the compute dtype).
+      growth_tracker: consecutive finite steps since the last growth or overflow (int32).
+      hysteresis_left: overflows still tolerated before the next backoff (int32).
+
+    Defaults match ``GradScaler``: initial scale 2**16, x2 after 2000 consecutive finite steps
+    (on the 2000th), x0.5 on overflow. ``min_scale`` defaults to the smallest normal fp32 so
+    that the scale can never reach 0; ``max_scale`` defaults to no bound (growth stops only
+    where the scale would overflow fp32). 2**24 is a sensible ``max_scale`` for fp16.
+
+    >>> import jax.numpy as jnp
+    >>> s = DynamicLossScale(loss_scale=8.0, growth_interval=2)
+    >>> seq = []
+    >>> for finite in [True, True, False, True]:
+    ...     s = s.adjust(jnp.array(finite)); seq.append(float(s.loss_scale))
+    >>> seq
+    [8.0, 16.0, 8.0, 8.0]
+    """
+
+    loss_scale: Any = 2.0**16
+    growth_tracker: Any = 0
+    hysteresis_left: Any = None
+    growth_interval: int = struct.field(pytree_node=False, default=2000)
+    growth_factor: float = struct.field(pytree_node=False, default=2.0)
+    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
+    min_scale: float | None = struct.field(pytree_node=False, default=None)
+    max_scale: float | None = struct.field(pytree_node=False, default=None)
+    hysteresis: int = struct.field(pytree_node=False, default=1)
+    hysteresis_refill: Literal["growth", "finite"] = struct.field(pytree_node=False,
+                                                                  default="growth")
+
+    def __post_init__(self):
+        self._validate()
+        object.__setattr__(self, "loss_scale", _to_f32_scalar(self.loss_scale, "loss_scale"))
+        object.__setattr__(self, "growth_tracker", _to_i32_scalar(self.growth_tracker))
+        left = self.hysteresis if self.hysteresis_left is None else self.hysteresis_left
+        object.__setattr__(self, "hysteresis_left", _to_i32_scalar(left))
+
+    def _validate(self):
+        def number(name, value):
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        number("growth_factor", self.growth_factor)
+        if self.growth_factor <= 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}; "
+                             "use StaticLossScale for a scale that never grows")
+        number("backoff_factor", self.backoff_factor)
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; "
+                             "0.5 halves the scale on overflow")
+        for name in ("min_scale", "max_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                number(name, value)
+                if value <= 0:
+                    raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.min_scale is not None and self.max_scale is not None \
+                and self.min_scale > self.max_scale:
+            raise ValueError(f"min_scale ({self.min_scale!r}) must be <= max_scale "
+                             f"({self.max_scale!r}); swap them or drop one bound")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) \
+                or self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}; "
+                             "1 backs off on every overflow, n at the n-th")
+        if self.hysteresis_refill not in ("growth", "finite"):
+            raise ValueError(f"hysteresis_refill must be 'growth' or 'finite', got "
+                             f"{self.hysteresis_refill!r}")
+
+    def adjust(self, grads_finite: ArrayLike) -> DynamicLossScale:
+        """Returns the state after a step whose (unscaled) gradients were ``grads_finite``."""
+        finite = jnp.asarray(grads_finite, jnp.bool_)
+        scale = self.loss_scale
+        min_scale = _F32_TINY if self.min_scale is None else self.min_scale
+        max_scale = float(jnp.finfo(jnp.float32).max) if self.max_scale is None \
+            else self.max_scale
+
+        # Finite step: count, and grow on the growth_interval-th consecutive one.
+        tracker = self.growth_tracker + 1
+        grow = tracker >= self.growth_interval
+        grown = scale * jnp.float32(self.growth_factor)
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, jnp.float32(max_scale)), scale)
+        finite_scale = jnp.where(grow, grown, scale)
+        finite_tracker = jnp.where(grow, 0, tracker)
+        refill = jnp.bool_(True) if self.hysteresis_refill == "finite" else grow
+        finite_left = jnp.where(refill, self.hysteresis, self.hysteresis_left)
+
+        # Overflow: spend one unit of hysteresis; back off once it is spent.
+        left = jnp.maximum(self.hysteresis_left - 1, 0)
+        backed = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(min_scale))
+        overflow_scale = jnp.where(left == 0, backed, scale)
+
+        return self.replace(
+            loss_scale=jnp.where(finite, finite_scale, overflow_scale).astype(jnp.float32),
+            growth_tracker=jnp.where(finite, finite_tracker, 0).astype(jnp.int32),
+            hysteresis_left=jnp.where(finite, finite_left, left).astype(jnp.int32),
+        )
+
+
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale

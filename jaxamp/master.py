@@ -1,0 +1,271 @@
+"""FP32 master weights in the optax state: :func:`mixed_precision`.
+
+``mixed_precision(inner, policy, loss_scale=...)`` wraps any optax transform. Its state holds
+the master params (in ``policy.param_dtype``), the inner optimizer's state, the loss-scale
+state and counters. ``update(scaled_grads, state, params)``:
+
+1. casts the grads to fp32 and unscales them with the scale used for this step;
+2. checks that they are all finite;
+3. runs ``inner`` on the fp32 master params, so clipping, weight decay and schedules see
+   true fp32 gradients;
+4. adjusts the loss scale;
+5. returns updates such that ``optax.apply_updates(params, updates)`` gives the new master
+   cast to each param's working dtype.
+
+A non-finite step returns zero updates (``-0.0``, so that even signed zeros are kept) and leaves
+the master params and the inner state, including its step count, bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp.policy import Policy, get_policy
+
+__all__ = [
+    "MixedPrecisionState",
+    "mixed_precision",
+    "find_state",
+    "get_loss_scale",
+    "get_master_params",
+    "scale_loss",
+    "grad_stats",
+    "working_params",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+class MixedPrecisionState(NamedTuple):
+    """The state of :func:`mixed_precision`. Every leaf is an array.
+
+    Attributes:
+      master_params: the params in ``policy.param_dtype`` (fp32 for the mixed presets).
+      inner_state: the wrapped optimizer's state, built on the master params.
+      loss_scale: a :class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
+        ``DynamicLossScale`` holding the scale for the next step.
+      applied_steps: int32 count of applied updates (saturates at 2**31 - 1).
+      skipped_steps: int32 count of skipped, non-finite updates (saturates).
+      grads_finite: bool, whether the last update's gradients were all finite.
+      grad_norm: fp32 global L2 norm of the last update's unscaled gradients.
+      nonfinite_leaves: int32 number of gradient leaves holding an inf or nan at the last update.
+    """
+
+    master_params: Any
+    inner_state: Any
+    loss_scale: LossScale
+    applied_steps: jax.Array
+    skipped_steps: jax.Array
+    grads_finite: jax.Array
+    grad_norm: jax.Array
+    nonfinite_leaves: jax.Array
+
+
+def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
+    return (count + (when & (count < _INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
+
+
+def grad_stats(grads_f32: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns ``(all_finite, global_norm, nonfinite_leaves)`` from one pass over fp32 grads.
+
+    The finiteness of each leaf is read off its sum of squares, which is inf or nan exactly
+    when the leaf holds an inf or nan, or when its norm exceeds ~1.8e19 (also treated as an
+    overflow). One reduction serves the check, the norm and the per-leaf count.
+
+    >>> import jax.numpy as jnp
+    >>> ok, norm, bad = grad_stats({"a": jnp.array([3.0, 4.0]), "b": jnp.array([jnp.nan])})
+    >>> bool(ok), int(bad)
+    (False, 1)
+    """
+    leaves = [x for x in jax.tree.leaves(grads_f32) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return jnp.array(True), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    sumsq = jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves])
+    leaf_finite = jnp.isfinite(sumsq)
+    total = jnp.sum(sumsq)
+    finite = jnp.isfinite(total)
+    nonfinite = jnp.sum(~leaf_finite).astype(jnp.int32)
+    return finite, jnp.sqrt(total), nonfinite
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Per-leaf ``where`` for arrays; identical non-array leaves pass through."""
+    def sel(a, b):
+        if isinstance(a, jax.Array | jnp.ndarray) or hasattr(a, "dtype"):
+            return jnp.where(pred, a, b)
+        return a
+    return jax.tree.map(sel, on_true, on_false)
+
+
+def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
+    """An fp32 update ``u`` with ``(param + u).astype(param.dtype) == target``.
+
+    ``target - param`` is exact in fp32 whenever a half-precision param does not shrink by more
+    than ~2**15x in one step, so the sum reproduces ``target`` bit for bit. A zero difference
+    becomes ``-0.0``, the additive identity that also keeps the sign of a zero param.
+    """
+    t32, p32 = target.astype(jnp.float32), param.astype(jnp.float32)
+    diff = t32 - p32
+    plus_zero = jnp.signbit(p32) & ~jnp.signbit(t32)  # -0 -> +0 needs +0.
+    zero = jnp.where(plus_zero, jnp.float32(0.0), jnp.float32(-0.0))
+    return jnp.where(diff == 0, zero, diff)
+
+
+def mixed_precision(
+    inner: optax.GradientTransformation,
+    policy: Any = "mixed_bfloat16",
+    *,
+    loss_scale: LossScale | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
+
+    Args:
+      inner: any optax transform. It runs on the fp32 master params and fp32 unscaled grads.
+      policy: anything :func:`jaxamp.get_policy` accepts.
+      loss_scale: the initial loss-scale state. Default: ``DynamicLossScale()`` when the
+        compute dtype is float16, else ``NoOpLossScale()``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
+      master (in ``param_dtype``). ``update(scaled_grads, state, params, **extra)`` expects the
+      gradient of ``scale_loss(loss, state)`` with respect to the working params, and forwards
+      ``extra`` to ``inner``.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> tx = mixed_precision(optax.sgd(0.25), "mixed_bfloat16")
+    >>> master = {"w": jnp.array([1.0, 2.0])}
+    >>> state = tx.init(master)
+    >>> params = get_policy("mixed_bfloat16").cast_params_to_compute(master)
+    >>> grads = jax.grad(lambda p: scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"].dtype, params["w"].tolist(), get_master_params(state)["w"].tolist()
+    (dtype(bfloat16), [0.5, 1.0], [0.5, 1.0])
+    """
+    policy = get_policy(policy)
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(f"inner must be an optax.GradientTransformation, got "
+                        f"{type(inner).__name__}; pass e.g. optax.adamw(1e-3)")
+    if loss_scale is None:
+        loss_scale = DynamicLossScale() if policy.compute_dtype == jnp.float16 \
+            else NoOpLossScale()
+    if not isinstance(loss_scale, NoOpLossScale | StaticLossScale | DynamicLossScale):
+        raise TypeError(f"loss_scale must be a NoOpLossScale, StaticLossScale or "
+                        f"DynamicLossScale, got {type(loss_scale).__name__}")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        master = policy.cast_to_param(params)
+        return MixedPrecisionState(
+            master_params=master,
+            inner_state=inner.init(master),
+            loss_scale=loss_scale,
+            applied_steps=jnp.zeros((), jnp.int32),
+            skipped_steps=jnp.zeros((), jnp.int32),
+            grads_finite=jnp.array(True),
+            grad_norm=jnp.zeros((), jnp.float32),
+            nonfinite_leaves=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        if params is None:
+            raise ValueError("mixed_precision.update needs params (the working params) to "
+                             "compute updates; call tx.update(grads, state, params)")
+        _check_same_structure(updates, state.master_params)
+        # 1-2. fp32, unscaled with the scale used for this step.
+        grads = state.loss_scale.unscale(updates)
+        # 3. One reduction gives the finite check, the norm and the non-finite leaf count.
+        finite, norm, nonfinite = grad_stats(grads)
+        # 4. The inner transform on the fp32 master.
+        inner_updates, inner_state = inner.update(grads, state.inner_state,
+                                                  state.master_params, **extra_args)
+        master = optax.apply_updates(state.master_params, inner_updates)
+        # A skip keeps master and inner state bit-identical (the selects fuse into the update).
+        master = _select(finite, master, state.master_params)
+        inner_state = _select(finite, inner_state, state.inner_state)
+        # 5. The loss scale.
+        new_scale = state.loss_scale.adjust(finite)
+        # 6. Updates that land the working params on cast(master).
+        targets = policy.cast_params_to_compute(master)
+
+        def out(u, t, p, m):
+            if p.dtype == t.dtype == m.dtype:
+                # Working dtype == master dtype: p + u is the very op that gave the master.
+                return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
+            return _working_update(t, p)
+
+        new_updates = jax.tree.map(out, inner_updates, targets, params, master)
+        new_state = MixedPrecisionState(
+            master_params=master,
+            inner_state=inner_state,
+            loss_scale=new_scale,
+            applied_steps=_saturating_increment(state.applied_steps, finite),
+            skipped_steps=_saturating_increment(state.skipped_steps, ~finite),
+            grads_finite=finite,
+            grad_norm=norm.astype(jnp.float32),
+            nonfinite_leaves=nonfinite,
+        )
+        return new_updates, new_state
+
+    update_fn.jaxamp_policy = policy  # type: ignore[attr-defined]  # read by TrainState.create
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_same_structure(grads: Any, master: Any) -> None:
+    g, m = jax.tree.structure(grads), jax.tree.structure(master)
+    if g != m:
+        raise ValueError(
+            "the gradient tree does not match the params tree given to init: grads have "
+            f"structure {g}, params have {m}. Differentiate the loss with respect to the same "
+            "params the optimizer was initialised with.")
+
+
+def find_state(opt_state: Any) -> MixedPrecisionState:
+    """Returns the :class:`MixedPrecisionState` inside ``opt_state`` (at any depth).
+
+    Raises ``ValueError`` when there is none, or more than one.
+    """
+    found = [s for s in jax.tree.leaves(opt_state,
+                                        is_leaf=lambda x: isinstance(x, MixedPrecisionState))
+             if isinstance(s, MixedPrecisionState)]
+    if len(found) != 1:
+        raise ValueError(f"expected exactly one MixedPrecisionState in the optimizer state, "
+                         f"found {len(found)}; build the optimizer with "
+                         "jaxamp.mixed_precision(inner, policy)")
+    return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """The loss-scale state held in ``opt_state`` (``.loss_scale`` is the fp32 scale)."""
+    return find_state(opt_state).loss_scale
+
+
+def get_master_params(opt_state: Any) -> Any:
+    """The fp32 master params held in ``opt_state``."""
+    return find_state(opt_state).master_params
+
+
+def working_params(opt_state: Any, policy: Any) -> Any:
+    """The working params implied by ``opt_state``: the master cast to each working dtype."""
+    return get_policy(policy).cast_params_to_compute(get_master_params(opt_state))
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """Returns ``loss`` in fp32 multiplied by the current loss scale held in ``opt_state``.
+
+    Differentiate this (not the raw loss) and hand the gradients to ``tx.update``.
+    ``opt_state`` may be the :class:`MixedPrecisionState` itself or any tree containing it,
+    such as flax's ``TrainState.opt_state``.
+    """
+    loss = jnp.asarray(loss)
+    if loss.ndim != 0:
+        raise ValueError(f"the loss must be a scalar, got shape {loss.shape}; reduce it "
+                         "(for example jnp.mean) before scaling")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"the loss must be floating, got dtype {loss.dtype}")
+    return get_loss_scale(opt_state).scale(loss.astype(jnp.float32))

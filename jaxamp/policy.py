@@ -1,0 +1,320 @@
+"""Precision policies: which dtype params, computation and outputs use.
+
+A :class:`Policy` holds three dtypes:
+
+* ``param_dtype``: the master copy of the params (fp32 for every mixed preset);
+* ``compute_dtype``: the working params and the activations;
+* ``output_dtype``: what the model returns.
+
+Policies are parsed from preset names (``"mixed_bfloat16"``), from jmp's grammar
+(``"p=f32,c=bf16,o=f32"``), from a ``jmp.Policy`` or passed through as a :class:`Policy`.
+Per-parameter overrides pick a different working dtype for the params whose tree path
+matches a regular expression.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+__all__ = ["Policy", "get_policy", "resolve_auto", "tree_path_str"]
+
+# Names accepted for a dtype in a policy string (jmp's names plus a few common ones).
+_DTYPE_NAMES: dict[str, Any] = {
+    "f32": jnp.float32,
+    "fp32": jnp.float32,
+    "float32": jnp.float32,
+    "full": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "fp16": jnp.float16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+_SHORT_NAME = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
+               jnp.dtype(jnp.float16): "f16"}
+_KEYS = {"p": "param", "params": "param", "param": "param",
+         "c": "compute", "compute": "compute",
+         "o": "output", "output": "output"}
+_PRESETS = ("float32", "bfloat16", "mixed_bfloat16", "mixed_float16", "auto")
+_ACCEPTED = ("a preset (" + ", ".join(_PRESETS) + "), a dtype name ("
+             + ", ".join(_DTYPE_NAMES) + "), jmp's grammar 'p=f32,c=bf16,o=f32', "
+             "a jmp.Policy or a jaxamp.Policy")
+
+
+def _as_float_dtype(value: Any, *, what: str, context: str = "") -> np.dtype:
+    """Returns ``value`` as a floating numpy dtype, or raises a clear error."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key not in _DTYPE_NAMES:
+            raise ValueError(
+                f"unknown {what} dtype {value!r}{context}; expected one of "
+                f"{', '.join(_DTYPE_NAMES)}")
+        return jnp.dtype(_DTYPE_NAMES[key])
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{what} dtype must be a dtype or a dtype name, got {value!r}{context}; "
+                        f"use one of {', '.join(_DTYPE_NAMES)}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"{what} dtype must be floating, got {dtype.name!r}{context}; integer and bool "
+            "dtypes cannot hold params or activations. Use float32, bfloat16 or float16.")
+    return dtype
+
+
+def tree_path_str(path: Sequence[Any]) -> str:
+    """Formats a ``jax.tree_util`` key path as ``'a/b/0/c'``, the form override regexes see.
+
+    >>> import jax
+    >>> paths = [tree_path_str(p) for p, _ in
+    ...          jax.tree_util.tree_flatten_with_path({"dense": {"kernel": 1, "bias": 2}})[0]]
+    >>> paths
+    ['dense/bias', 'dense/kernel']
+    """
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _is_floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _cast_floating(tree: Any, dtype: DTypeLike) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if _is_floating(x) else x, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy.
+
+    Attributes:
+      param_dtype: dtype of the master params (kept in the optimizer state).
+      compute_dtype: dtype of the working params and of activations.
+      output_dtype: dtype of what the model returns. The loss is always reduced in fp32.
+      overrides: ``(regex, dtype)`` pairs. A param whose path (see :func:`tree_path_str`)
+        matches ``regex`` (``re.search``) has ``dtype`` as its working dtype instead of
+        ``compute_dtype``. The first matching rule wins.
+      name: the preset or string this policy was parsed from (informational).
+
+    >>> import jax.numpy as jnp
+    >>> p = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+    >>> p.cast_to_compute({"x": jnp.ones(2), "n": jnp.arange(2)})["x"].dtype
+    dtype(bfloat16)
+    >>> str(p)
+    'p=f32,c=bf16,o=f32'
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+    overrides: tuple[tuple[str, Any], ...] = ()
+    name: str = ""
+
+    def __post_init__(self):
+        for field in ("param", "compute", "output"):
+            dtype = _as_float_dtype(getattr(self, f"{field}_dtype"), what=field)
+            object.__setattr__(self, f"{field}_dtype", dtype)
+        rules = []
+        items = self.overrides.items() if isinstance(self.overrides, Mapping) else self.overrides
+        for item in items:
+            if not (isinstance(item, tuple | list) and len(item) == 2):
+                raise TypeError(f"overrides must be (regex, dtype) pairs or a dict, got {item!r}")
+            pattern, dtype = item
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"override pattern {pattern!r} is not a valid regex: {e}") from e
+            rules.append((pattern, _as_float_dtype(dtype, what="override",
+                                                   context=f" for pattern {pattern!r}")))
+        object.__setattr__(self, "overrides", tuple(rules))
+
+    def __str__(self) -> str:
+        def short(d):
+            return _SHORT_NAME.get(jnp.dtype(d), jnp.dtype(d).name)
+        s = f"p={short(self.param_dtype)},c={short(self.compute_dtype)},o={short(self.output_dtype)}"
+        if self.overrides:
+            s += " overrides=" + ",".join(f"{p!r}:{short(d)}" for p, d in self.overrides)
+        return s
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when the working dtype differs from the master dtype."""
+        return self.compute_dtype != self.param_dtype
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``param_dtype``; other leaves are untouched."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``compute_dtype`` (no overrides).
+
+        Use it for inputs and activations. For params use :meth:`cast_params_to_compute`,
+        which applies the per-parameter overrides.
+        """
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def param_compute_dtypes(self, params: Any) -> Any:
+        """A tree like ``params`` holding each floating leaf's working dtype (``None`` elsewhere).
+
+        >>> import jax.numpy as jnp
+        >>> p = get_policy("mixed_bfloat16", overrides={r"norm": "f32"})
+        >>> p.param_compute_dtypes({"norm": {"scale": jnp.ones(2)}, "w": jnp.ones(2)})
+        {'norm': {'scale': dtype('float32')}, 'w': dtype(bfloat16)}
+        """
+        def pick(path, x):
+            if not _is_floating(x):
+                return None
+            if self.overrides:
+                where = tree_path_str(path)
+                for pattern, dtype in self.overrides:
+                    if re.search(pattern, where):
+                        return dtype
+            return self.compute_dtype
+        return jax.tree_util.tree_map_with_path(pick, params)
+
+    def cast_params_to_compute(self, params: Any) -> Any:
+        """Casts params to their working dtype: ``compute_dtype`` or an override's dtype."""
+        if not self.overrides:
+            return self.cast_to_compute(params)
+        dtypes = self.param_compute_dtypes(params)
+        return jax.tree.map(lambda x, d: x if d is None else x.astype(d), params, dtypes,
+                            is_leaf=lambda x: x is None)
+
+    def with_overrides(self, overrides: Mapping[str, DTypeLike] | Sequence) -> Policy:
+        """Returns a copy with these per-parameter overrides added after the existing ones."""
+        extra = tuple(overrides.items()) if isinstance(overrides, Mapping) else tuple(overrides)
+        return dataclasses.replace(self, overrides=self.overrides + extra)
+
+
+def resolve_auto(device: Any = None) -> str:
+    """The preset that ``"auto"`` resolves to on ``device`` (default: the first local device).
+
+    * TPU, and GPUs with compute capability >= 8.0 (Ampere and later): ``mixed_bfloat16``;
+    * older GPUs: ``mixed_float16`` (with dynamic loss scaling);
+    * CPU: ``float32``, because XLA:CPU upcasts bf16 and runs it slower (see the README).
+    """
+    device = device if device is not None else jax.local_devices()[0]
+    platform = device.platform.lower()
+    if platform == "tpu":
+        return "mixed_bfloat16"
+    if platform in ("gpu", "cuda", "rocm"):
+        capability = getattr(device, "compute_capability", None)
+        if platform == "rocm" or capability is None:
+            return "mixed_bfloat16"
+        major = int(str(capability).split(".")[0])
+        return "mixed_bfloat16" if major >= 8 else "mixed_float16"
+    return "float32"
+
+
+def _parse_jmp_grammar(spec: str) -> Policy:
+    found: dict[str, np.dtype] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if "=" not in part:
+            raise ValueError(f"malformed part {part!r} in policy {spec!r}; every part must be "
+                             "'key=dtype', for example 'p=f32,c=bf16,o=f32'")
+        key, value = (s.strip() for s in part.split("=", 1))
+        if key.lower() not in _KEYS:
+            raise ValueError(f"unknown key {key!r} in policy {spec!r}; expected one of "
+                             "p/params, c/compute, o/output")
+        field = _KEYS[key.lower()]
+        if field in found:
+            raise ValueError(f"duplicated key {key!r} ({field} dtype) in policy {spec!r}; "
+                             "give each of params, compute and output at most once")
+        found[field] = _as_float_dtype(value, what=field, context=f" in policy {spec!r}")
+    # jmp's defaults: params f32, compute follows params, output follows compute.
+    param = found.get("param", jnp.dtype(jnp.float32))
+    compute = found.get("compute", param)
+    output = found.get("output", compute)
+    return Policy(param, compute, output, name=spec)
+
+
+def get_policy(spec: Any = "mixed_bfloat16", *,
+               overrides: Mapping[str, DTypeLike] | Sequence | None = None,
+               device: Any = None) -> Policy:
+    """Builds a :class:`Policy` from a preset, a jmp string, a ``jmp.Policy`` or a ``Policy``.
+
+    Presets:
+
+    ==================  =====  =======  ======
+    name                param  compute  output
+    ==================  =====  =======  ======
+    ``float32``         f32    f32      f32
+    ``bfloat16``        bf16   bf16     bf16
+    ``mixed_bfloat16``  f32    bf16     f32
+    ``mixed_float16``   f32    f16      f32
+    ``auto``            see :func:`resolve_auto`
+    ==================  =====  =======  ======
+
+    A bare dtype name (``"bf16"``) sets all three dtypes, as in jmp; jmp's grammar
+    ``"p=f32,c=bf16,o=f32"`` takes the keys ``p/params``, ``c/compute`` and ``o/output``,
+    and an omitted compute dtype follows params, an omitted output follows compute.
+
+    Args:
+      spec: the policy description.
+      overrides: optional ``{regex: dtype}`` working dtypes for params whose path matches.
+      device: the device ``"auto"`` resolves for (default: the first local device).
+
+    >>> p = get_policy("mixed_bfloat16")
+    >>> p.param_dtype, p.compute_dtype, p.output_dtype
+    (dtype('float32'), dtype(bfloat16), dtype('float32'))
+    >>> str(get_policy("p=f32,c=f16"))
+    'p=f32,c=f16,o=f16'
+    >>> get_policy("p=f32,c=bf61")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown compute dtype 'bf61' in policy 'p=f32,c=bf61'; expected one of ...
+    """
+    policy = _parse(spec, device)
+    if overrides:
+        policy = policy.with_overrides(overrides)
+    return policy
+
+
+def _parse(spec: Any, device: Any) -> Policy:
+    if isinstance(spec, Policy):
+        return spec
+    if _is_jmp_policy(spec):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype, name=str(spec))
+    if not isinstance(spec, str):
+        raise TypeError(f"policy must be a string, a jmp.Policy or a jaxamp.Policy, got "
+                        f"{type(spec).__name__} {spec!r}; accepted: {_ACCEPTED}")
+    name = spec.strip()
+    if not name:
+        raise ValueError(f"empty policy string {spec!r}; accepted: {_ACCEPTED}")
+    lowered = name.lower()
+    if lowered == "auto":
+        resolved = _parse(resolve_auto(device), device)
+        return dataclasses.replace(resolved, name=f"auto:{resolved.name}")
+    if lowered == "float32":
+        return Policy(jnp.float32, jnp.float32, jnp.float32, name="float32")
+    if lowered == "bfloat16":
+        return Policy(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, name="bfloat16")
+    if lowered == "mixed_bfloat16":
+        return Policy(jnp.float32, jnp.bfloat16, jnp.float32, name="mixed_bfloat16")
+    if lowered == "mixed_float16":
+        return Policy(jnp.float32, jnp.float16, jnp.float32, name="mixed_float16")
+    if "=" in name:
+        return _parse_jmp_grammar(name)
+    if lowered in _DTYPE_NAMES:
+        dtype = jnp.dtype(_DTYPE_NAMES[lowered])
+        return Policy(dtype, dtype, dtype, name=name)
+    raise ValueError(f"unknown policy {spec!r}; accepted: {_ACCEPTED}")
+
+
+def _is_jmp_policy(obj: Any) -> bool:
+    cls = type(obj)
+    return cls.__name__ == "Policy" and cls.__module__.startswith("jmp")
