@@ -1,0 +1,1 @@
+"""Reference models, data, the training CLI and benchmarks built on jaxamp's public API."""
