@@ -19,7 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q jaxamp tests README.md
+	$(PY) -m pytest -q jaxamp tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxamp tests train

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.policy import Policy, get_policy
@@ -70,27 +71,33 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < _INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
-def grad_stats(grads_f32: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns ``(all_finite, global_norm, nonfinite_leaves)`` from one pass over fp32 grads.
+def grad_stats(grads: Any, scale: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns ``(all_finite, global_norm, nonfinite_leaves)`` from one pass over ``grads``.
 
-    The finiteness of each leaf is read off its sum of squares, which is inf or nan exactly
-    when the leaf holds an inf or nan, or when its norm exceeds ~1.8e19 (also treated as an
-    overflow). One reduction serves the check, the norm and the per-leaf count.
+    ``grads`` may be in any floating dtype and may still be multiplied by a loss ``scale``: the
+    sums of squares are accumulated in fp32 and the norm is divided by ``scale``. A leaf is
+    non-finite when its sum of squares is inf or nan: exactly when it holds an inf or nan, or
+    when its (scaled) norm exceeds ~1.8e19, which is treated as an overflow too. One reduction
+    that reads each gradient once serves the check, the norm and the per-leaf count.
 
     >>> import jax.numpy as jnp
     >>> ok, norm, bad = grad_stats({"a": jnp.array([3.0, 4.0]), "b": jnp.array([jnp.nan])})
     >>> bool(ok), int(bad)
     (False, 1)
+    >>> float(grad_stats({"a": jnp.array([30.0, 40.0])}, scale=10.0)[1])
+    5.0
     """
-    leaves = [x for x in jax.tree.leaves(grads_f32) if jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = [x for x in jax.tree.leaves(grads) if jnp.issubdtype(x.dtype, jnp.floating)]
     if not leaves:
         return jnp.array(True), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
     sumsq = jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves])
-    leaf_finite = jnp.isfinite(sumsq)
     total = jnp.sum(sumsq)
     finite = jnp.isfinite(total)
-    nonfinite = jnp.sum(~leaf_finite).astype(jnp.int32)
-    return finite, jnp.sqrt(total), nonfinite
+    nonfinite = jnp.sum(~jnp.isfinite(sumsq)).astype(jnp.int32)
+    norm = jnp.sqrt(total)
+    if scale is not None:
+        norm = norm / jnp.asarray(scale, jnp.float32)
+    return finite, norm.astype(jnp.float32), nonfinite
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -100,6 +107,11 @@ def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
             return jnp.where(pred, a, b)
         return a
     return jax.tree.map(sel, on_true, on_false)
+
+
+def _like(new: Any, old: Any) -> Any:
+    """Casts ``new``'s array leaves to ``old``'s dtypes (state dtypes are invariant)."""
+    return jax.tree.map(lambda n, o: n.astype(o.dtype) if hasattr(o, "dtype") else n, new, old)
 
 
 def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
@@ -177,29 +189,47 @@ def mixed_precision(
             raise ValueError("mixed_precision.update needs params (the working params) to "
                              "compute updates; call tx.update(grads, state, params)")
         _check_same_structure(updates, state.master_params)
-        # 1-2. fp32, unscaled with the scale used for this step.
-        grads = state.loss_scale.unscale(updates)
-        # 3. One reduction gives the finite check, the norm and the non-finite leaf count.
-        finite, norm, nonfinite = grad_stats(grads)
-        # 4. The inner transform on the fp32 master.
-        inner_updates, inner_state = inner.update(grads, state.inner_state,
-                                                  state.master_params, **extra_args)
-        master = optax.apply_updates(state.master_params, inner_updates)
-        # A skip keeps master and inner state bit-identical (the selects fuse into the update).
-        master = _select(finite, master, state.master_params)
-        inner_state = _select(finite, inner_state, state.inner_state)
+        scale = state.loss_scale
+        # 3 first: one reduction over the still-scaled grads gives the finite check, the norm
+        # and the count of non-finite leaves. It reads each gradient once, in its own dtype.
+        finite, norm, nonfinite = grad_stats(updates, scale.loss_scale)
+
+        # Leaves whose working dtype is the master dtype take the inner updates as they are
+        # (p + u is then the very op that gave the master); the others get an exact
+        # difference. Known at trace time, so the cond returns only the updates it must.
+        work_dtypes = policy.param_compute_dtypes(state.master_params)
+        same = jax.tree.map(lambda p, d, m: p.dtype == d == m.dtype,
+                            params, work_dtypes, state.master_params)
+
+        def apply(master, inner_state, grads):
+            # 1-2. fp32, unscaled with the scale used for this step (pre-adjust).
+            grads = scale.unscale(grads)
+            # 4. The inner transform on the fp32 master.
+            inner_updates, new_inner = inner.update(grads, inner_state, master, **extra_args)
+            new_master = optax.apply_updates(master, inner_updates)
+            kept = jax.tree.map(lambda u, m, k: u.astype(m.dtype) if k else None,
+                                inner_updates, master, same)
+            return new_master, _like(new_inner, inner_state), kept
+
+        def skip(master, inner_state, grads):
+            del grads
+            # -0.0 is the additive identity: p + (-0.0) == p bit for bit, signed zeros too.
+            kept = jax.tree.map(lambda m, k: jnp.full_like(m, -0.0) if k else None,
+                                master, same)
+            return master, inner_state, kept
+
+        # A skip leaves master and inner state untouched. lax.cond (rather than a select per
+        # leaf) lets XLA update donated buffers in place and never runs the optimizer on a
+        # skipped step.
+        master, inner_state, kept = lax.cond(
+            finite, apply, skip, state.master_params, state.inner_state, updates)
         # 5. The loss scale.
-        new_scale = state.loss_scale.adjust(finite)
+        new_scale = scale.adjust(finite)
         # 6. Updates that land the working params on cast(master).
         targets = policy.cast_params_to_compute(master)
-
-        def out(u, t, p, m):
-            if p.dtype == t.dtype == m.dtype:
-                # Working dtype == master dtype: p + u is the very op that gave the master.
-                return jnp.where(finite, u, jnp.asarray(-0.0, u.dtype))
-            return _working_update(t, p)
-
-        new_updates = jax.tree.map(out, inner_updates, targets, params, master)
+        new_updates = jax.tree.map(
+            lambda k, t, p: _working_update(t, p) if k is None else k,
+            kept, targets, params, is_leaf=lambda x: x is None)
         new_state = MixedPrecisionState(
             master_params=master,
             inner_state=inner_state,
