@@ -15,8 +15,10 @@ flatten/unflatten, ``jit``, ``pmap``, ``jit(...).lower()`` and checkpoints whole
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +175,7 @@ class DynamicLossScale(_LossScaleMethods):
 
     loss_scale: Any = 2.0**16
     growth_tracker: Any = 0
-    hysteresis_left: Any = None
+    hysteresis_left: Any = -1  # -1 (a python int): start with the full `hysteresis` budget
     growth_interval: int = struct.field(pytree_node=False, default=2000)
     growth_factor: float = struct.field(pytree_node=False, default=2.0)
     backoff_factor: float = struct.field(pytree_node=False, default=0.5)
@@ -187,7 +189,11 @@ class DynamicLossScale(_LossScaleMethods):
         self._validate()
         object.__setattr__(self, "loss_scale", _to_f32_scalar(self.loss_scale, "loss_scale"))
         object.__setattr__(self, "growth_tracker", _to_i32_scalar(self.growth_tracker))
-        left = self.hysteresis if self.hysteresis_left is None else self.hysteresis_left
+        # Only python numbers given by a caller are converted: unflattening calls __init__ too,
+        # with tracers, abstract values or None as leaves, and those must pass through as they are.
+        left = self.hysteresis_left
+        if isinstance(left, int) and not isinstance(left, bool) and left == -1:
+            left = self.hysteresis
         object.__setattr__(self, "hysteresis_left", _to_i32_scalar(left))
 
     def _validate(self):
@@ -247,7 +253,8 @@ class DynamicLossScale(_LossScaleMethods):
         backed = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(min_scale))
         overflow_scale = jnp.where(left == 0, backed, scale)
 
-        return self.replace(
+        return dataclasses.replace(
+            self,
             loss_scale=jnp.where(finite, finite_scale, overflow_scale).astype(jnp.float32),
             growth_tracker=jnp.where(finite, finite_tracker, 0).astype(jnp.int32),
             hysteresis_left=jnp.where(finite, finite_left, left).astype(jnp.int32),

@@ -18,15 +18,19 @@ the master params and the inner state, including its step count, bit-identical.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp.policy import Policy, get_policy
+from jaxamp.loss_scale import DynamicLossScale
+from jaxamp.loss_scale import LossScale
+from jaxamp.loss_scale import NoOpLossScale
+from jaxamp.loss_scale import StaticLossScale
+from jaxamp.policy import get_policy
 
 __all__ = [
     "MixedPrecisionState",
@@ -90,7 +94,11 @@ def grad_stats(grads: Any, scale: Any = None) -> tuple[jax.Array, jax.Array, jax
     leaves = [x for x in jax.tree.leaves(grads) if jnp.issubdtype(x.dtype, jnp.floating)]
     if not leaves:
         return jnp.array(True), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
-    sumsq = jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves])
+    # A dot with fp32 accumulation reads each leaf once in its own dtype; on XLA:CPU a
+    # convert-square-sum materialises an fp32 copy of the gradients first. fp16 inputs are
+    # multiplied in fp32, so squares of large scaled fp16 gradients do not overflow.
+    sumsq = jnp.stack([jnp.dot(x.ravel(), x.ravel(), preferred_element_type=jnp.float32)
+                       for x in leaves])
     total = jnp.sum(sumsq)
     finite = jnp.isfinite(total)
     nonfinite = jnp.sum(~jnp.isfinite(sumsq)).astype(jnp.int32)
@@ -248,7 +256,7 @@ def mixed_precision(
 
 def _check_same_structure(grads: Any, master: Any) -> None:
     g, m = jax.tree.structure(grads), jax.tree.structure(master)
-    if g != m:
+    if g != m:  # type: ignore[operator]
         raise ValueError(
             "the gradient tree does not match the params tree given to init: grads have "
             f"structure {g}, params have {m}. Differentiate the loss with respect to the same "

@@ -7,7 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 __all__ = ["replicate", "unreplicate", "shard_batch", "batch_sharding", "put_sharded"]
 

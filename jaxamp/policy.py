@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -140,7 +141,8 @@ class Policy:
     def __str__(self) -> str:
         def short(d):
             return _SHORT_NAME.get(jnp.dtype(d), jnp.dtype(d).name)
-        s = f"p={short(self.param_dtype)},c={short(self.compute_dtype)},o={short(self.output_dtype)}"
+        s = (f"p={short(self.param_dtype)},c={short(self.compute_dtype)},"
+             f"o={short(self.output_dtype)}")
         if self.overrides:
             s += " overrides=" + ",".join(f"{p!r}:{short(d)}" for p, d in self.overrides)
         return s

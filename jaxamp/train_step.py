@@ -17,6 +17,7 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,8 +30,12 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxamp import _jaxpr
-from jaxamp.master import MixedPrecisionState, _select, find_state, grad_stats
-from jaxamp.policy import Policy, get_policy
+from jaxamp.master import MixedPrecisionState
+from jaxamp.master import _select
+from jaxamp.master import find_state
+from jaxamp.master import grad_stats
+from jaxamp.policy import Policy
+from jaxamp.policy import get_policy
 
 __all__ = ["TrainState", "make_train_step", "policy_of"]
 
@@ -112,7 +117,7 @@ def _maybe_state(opt_state: Any) -> MixedPrecisionState | None:
 
 
 def _split_outputs(out: Any, has_aux: bool, has_model_state: bool):
-    """Unpacks ``loss``, ``(loss, aux)``, ``(loss, model_state)`` or ``(loss, model_state, aux)``."""
+    """Unpacks ``loss``, ``(loss, aux)``, ``(loss, model_state)`` or ``(loss, state, aux)``."""
     expected = 1 + has_aux + has_model_state
     if expected == 1:
         return out, None, None
@@ -301,8 +306,8 @@ def make_train_step(
         }
         if has_aux:
             metrics["aux"] = aux
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                                  model_state=model_state)
+        new_state = dataclasses.replace(state, step=state.step + 1, params=params,
+                                        opt_state=opt_state, model_state=model_state)
         return new_state, metrics
 
     return step

@@ -31,7 +31,8 @@ def load_digits(seed: int = 0):
 
 def init_mlp(key, sizes=(64, 256, 256, 10)):
     params = []
-    for k, (n_in, n_out) in zip(jax.random.split(key, len(sizes) - 1), zip(sizes, sizes[1:])):
+    keys = jax.random.split(key, len(sizes) - 1)
+    for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:], strict=True):
         params.append({"kernel": jax.random.normal(k, (n_in, n_out)) * (2.0 / n_in) ** 0.5,
                        "bias": jnp.zeros(n_out)})
     return params
@@ -58,7 +59,8 @@ def train(precision: str, steps: int, batch_size: int = 128, seed: int = 0, log_
     state = jaxamp.TrainState.create(params=init_mlp(jax.random.key(seed)), tx=tx)
     step = jax.jit(jaxamp.make_train_step(loss_fn), donate_argnums=0)
     rng = np.random.default_rng(seed)
-    print(f"== {precision} ({policy}), loss scale {type(jaxamp.get_loss_scale(state.opt_state)).__name__}")
+    scale_kind = type(jaxamp.get_loss_scale(state.opt_state)).__name__
+    print(f"== {precision} ({policy}), loss scale {scale_kind}")
     t0 = time.perf_counter()
     for i in range(1, steps + 1):
         idx = rng.integers(0, len(x_tr), batch_size)

@@ -1,0 +1,109 @@
+"""Checkpoints: the whole TrainState round-trips through orbax, and a resumed run is
+bit-identical to one that was never interrupted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxamp
+
+
+def _loss_fn(params, batch, model_state, rng):
+    keep = jax.random.bernoulli(rng, 0.9, batch["x"].shape)
+    x = jnp.where(keep, batch["x"], 0) / 0.9
+    h = jnp.tanh(x @ params["w1"])
+    pred = (h @ params["w2"])[:, 0].astype(jnp.float32)
+    new_state = {"mean": 0.9 * model_state["mean"] + 0.1 * batch["x"].mean(0).astype(jnp.float32)}
+    # Poisoned examples (x == inf) overflow the loss: the step is skipped.
+    return jnp.mean((pred - batch["y"]) ** 2), new_state
+
+
+def _state(policy="mixed_float16"):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    params = {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 1))}
+    scale = jaxamp.DynamicLossScale(loss_scale=2.0**10, growth_interval=3, hysteresis=2,
+                                    min_scale=1.0, max_scale=2.0**14)
+    tx = jaxamp.mixed_precision(optax.adamw(optax.cosine_decay_schedule(1e-2, 20)), policy,
+                                loss_scale=scale)
+    return jaxamp.TrainState.create(params=params, tx=tx, model_state={"mean": jnp.zeros(4)},
+                                    rng=jax.random.PRNGKey(1))
+
+
+def _batches(n):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        x = rng.normal(size=(16, 4)).astype(np.float32)
+        if i in (4, 5, 11):
+            x[3, 1] = np.inf
+        out.append({"x": x, "y": rng.normal(size=(16,)).astype(np.float32)})
+    return out
+
+
+def _bits(tree):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def _assert_bit_identical(a, b):
+    la, lb = _bits(a), _bits(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return jax.jit(jaxamp.make_train_step(_loss_fn, has_model_state=True, has_rng=True))
+
+
+def test_train_state_round_trips_through_orbax(tmp_path, step):
+    state = _state()
+    for batch in _batches(6):
+        state, _ = step(state, batch)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", _state())
+    assert isinstance(restored, jaxamp.TrainState)
+    _assert_bit_identical(state, restored)
+    scale = jaxamp.get_loss_scale(restored.opt_state)
+    # Static hyperparameters come from the target; array fields from the checkpoint.
+    assert (scale.hysteresis, scale.min_scale, scale.max_scale, scale.growth_interval) == (
+        2, 1.0, 2.0**14, 3)
+    assert int(jaxamp.find_state(restored.opt_state).skipped_steps) == 2
+    assert [x.dtype for x in jax.tree.leaves(restored)] == [x.dtype for x in jax.tree.leaves(state)]
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, step):
+    batches = _batches(16)
+    straight = _state()
+    for batch in batches:
+        straight, _ = step(straight, batch)
+
+    interrupted = _state()
+    for batch in batches[:8]:
+        interrupted, _ = step(interrupted, batch)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "mid", interrupted)
+    del interrupted
+    with ocp.StandardCheckpointer() as ckpt:
+        resumed = ckpt.restore(tmp_path / "mid", _state())
+    for batch in batches[8:]:
+        resumed, _ = step(resumed, batch)
+    _assert_bit_identical(straight, resumed)
+    assert int(jaxamp.find_state(straight.opt_state).skipped_steps) == 3
+
+
+def test_restoring_another_models_checkpoint_fails_clearly(tmp_path):
+    state = _state()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", state)
+    other = jaxamp.TrainState.create(
+        params={"w1": jnp.zeros((4, 8)), "w2": jnp.zeros((8, 2))},
+        tx=jaxamp.mixed_precision(optax.adamw(1e-2), "mixed_float16"),
+        model_state={"mean": jnp.zeros(4)}, rng=jax.random.PRNGKey(1))
+    with ocp.StandardCheckpointer() as ckpt, pytest.raises(Exception):  # noqa: B017
+        ckpt.restore(tmp_path / "ckpt", other)

@@ -1,0 +1,24 @@
+"""The README's usage example runs as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README.md has no python example"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
+    metrics = namespace["metrics"]
+    assert set(metrics) >= {"loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm",
+                            "nonfinite_leaves"}
+    assert int(namespace["state"].step) == 20
+
+
+def test_readme_starts_with_the_two_commands():
+    text = README.read_text()
+    first_block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert first_block.splitlines()[0].startswith("make demo")
+    assert first_block.splitlines()[1].startswith("make test")
