@@ -7,7 +7,7 @@ Three kinds, all with the same methods:
 * :class:`DynamicLossScale`: ``torch.amp.GradScaler``'s rule, plus optional bounds and
   hysteresis.
 
-Each is a ``flax.struct`` dataclass: its leaves are only arrays (the scale in fp32 and
+Each is a frozen dataclass registered as a pytree: its leaves are only arrays (the scale in fp32 and
 int32 counters) and every hyperparameter is a static field, so it survives
 flatten/unflatten, ``jit``, ``pmap``, ``jit(...).lower()`` and checkpoints whole.
 ``adjust(grads_finite)`` returns the next state and never reads back to the host.
@@ -22,7 +22,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.typing import ArrayLike
 
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
@@ -71,20 +70,60 @@ def _to_i32_scalar(value: Any) -> Any:
     return value
 
 
+def _state_dataclass(cls):
+    """A frozen dataclass registered as a pytree: fields marked ``static`` are treedef
+    metadata, the others are children.
+
+    Unlike ``flax.struct`` (``register_dataclass``), rebuilding from leaves does not call
+    ``__init__``: ``jax.tree.map(lambda x: 0, state)`` or a vmap ``in_axes`` tree must give
+    back exactly the leaves it was handed, while a caller's values are still checked and
+    converted at construction. Both functions derive the field lists from the dataclass, so no
+    field can be dropped.
+    """
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get("static"))
+    meta = tuple(f.name for f in fields if f.metadata.get("static"))
+
+    def flatten_with_keys(obj):
+        children = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data]
+        return children, tuple(getattr(obj, n) for n in meta)
+
+    def flatten(obj):
+        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def _static(default: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"static": True})
+
+
 class _LossScaleMethods:
     """Methods shared by the three loss scales. ``loss_scale`` holds the current fp32 scale."""
 
     loss_scale: Any
 
     def scale(self, tree: Any) -> Any:
-        """Multiplies the floating leaves of ``tree`` by the scale (in their own dtype).
+        """Multiplies the floating leaves of ``tree`` by the scale, keeping their dtypes.
 
-        A loss should be scaled in fp32: ``scale(loss.astype(jnp.float32))``.
+        The product is taken in (at least) fp32 and rounded once, so a scale above 65504
+        works on fp16 values. A loss should be scaled in fp32: ``scale(loss.astype(f32))``.
         """
         def mul(x):
             if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
                 return x
-            return x * self.loss_scale.astype(x.dtype)
+            wide = jnp.promote_types(x.dtype, jnp.float32)
+            return (x.astype(wide) * self.loss_scale).astype(x.dtype)
         return jax.tree.map(mul, tree)
 
     def unscale(self, tree: Any) -> Any:
@@ -97,8 +136,12 @@ class _LossScaleMethods:
             return x.astype(jnp.float32) * inv
         return jax.tree.map(mul, tree)
 
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (hyperparameters are re-validated)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
-@struct.dataclass
+
+@_state_dataclass
 class NoOpLossScale(_LossScaleMethods):
     """No loss scaling: the scale is 1 and ``adjust`` returns ``self``.
 
@@ -117,7 +160,7 @@ class NoOpLossScale(_LossScaleMethods):
         return self
 
 
-@struct.dataclass
+@_state_dataclass
 class StaticLossScale(_LossScaleMethods):
     """A fixed loss scale.
 
@@ -137,7 +180,7 @@ class StaticLossScale(_LossScaleMethods):
         return self
 
 
-@struct.dataclass
+@_state_dataclass
 class DynamicLossScale(_LossScaleMethods):
     """A dynamic loss scale with ``torch.amp.GradScaler``'s defaults and timing.
 
@@ -176,14 +219,13 @@ class DynamicLossScale(_LossScaleMethods):
     loss_scale: Any = 2.0**16
     growth_tracker: Any = 0
     hysteresis_left: Any = -1  # -1 (a python int): start with the full `hysteresis` budget
-    growth_interval: int = struct.field(pytree_node=False, default=2000)
-    growth_factor: float = struct.field(pytree_node=False, default=2.0)
-    backoff_factor: float = struct.field(pytree_node=False, default=0.5)
-    min_scale: float | None = struct.field(pytree_node=False, default=None)
-    max_scale: float | None = struct.field(pytree_node=False, default=None)
-    hysteresis: int = struct.field(pytree_node=False, default=1)
-    hysteresis_refill: Literal["growth", "finite"] = struct.field(pytree_node=False,
-                                                                  default="growth")
+    growth_interval: int = _static(2000)
+    growth_factor: float = _static(2.0)
+    backoff_factor: float = _static(0.5)
+    min_scale: float | None = _static(None)
+    max_scale: float | None = _static(None)
+    hysteresis: int = _static(1)
+    hysteresis_refill: Literal["growth", "finite"] = _static("growth")
 
     def __post_init__(self):
         self._validate()

@@ -118,7 +118,7 @@ class Policy:
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
     overrides: tuple[tuple[str, Any], ...] = ()
-    name: str = ""
+    name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
         for field in ("param", "compute", "output"):
