@@ -295,8 +295,7 @@ class DynamicLossScale(_LossScaleMethods):
         backed = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(min_scale))
         overflow_scale = jnp.where(left == 0, backed, scale)
 
-        return dataclasses.replace(
-            self,
+        return self.replace(
             loss_scale=jnp.where(finite, finite_scale, overflow_scale).astype(jnp.float32),
             growth_tracker=jnp.where(finite, finite_tracker, 0).astype(jnp.int32),
             hysteresis_left=jnp.where(finite, finite_left, left).astype(jnp.int32),
