@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,train]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q jaxamp tests
 
 lint: $(STAMP)

@@ -202,9 +202,9 @@ def mixed_precision(
         # and the count of non-finite leaves. It reads each gradient once, in its own dtype.
         finite, norm, nonfinite = grad_stats(updates, scale.loss_scale)
 
-        # Leaves whose working dtype is the master dtype take the inner updates as they are
-        # (p + u is then the very op that gave the master); the others get an exact
-        # difference. Known at trace time, so the cond returns only the updates it must.
+        # Leaves whose working dtype is the master dtype get their update from inside the cond
+        # (and the master is stored as m + update); the others get the difference to the cast
+        # master. Known at trace time, so the cond returns only the updates it must.
         work_dtypes = policy.param_compute_dtypes(state.master_params)
         same = jax.tree.map(lambda p, d, m: p.dtype == d == m.dtype,
                             params, work_dtypes, state.master_params)
@@ -215,8 +215,13 @@ def mixed_precision(
             # 4. The inner transform on the fp32 master.
             inner_updates, new_inner = inner.update(grads, inner_state, master, **extra_args)
             new_master = optax.apply_updates(master, inner_updates)
-            kept = jax.tree.map(lambda u, m, k: u.astype(m.dtype) if k else None,
-                                inner_updates, master, same)
+            # Same-dtype leaves: return the exact difference d and store m + d, the very add
+            # the caller's apply_updates runs. (Returning the inner update itself is not
+            # enough: XLA may fuse the optimizer's last multiply into m + u as an FMA.)
+            kept = jax.tree.map(lambda n, m, k: _working_update(n, m) if k else None,
+                                new_master, master, same)
+            new_master = jax.tree.map(lambda n, m, d: n if d is None else m + d,
+                                      new_master, master, kept, is_leaf=lambda x: x is None)
             return new_master, _like(new_inner, inner_state), kept
 
         def skip(master, inner_state, grads):

@@ -1,0 +1,537 @@
+"""Tests of the master-weights transform: ``jaxamp.mixed_precision`` and ``jaxamp.scale_loss``."""
+
+import functools
+import math
+
+import flax.training.train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import Phase
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxamp
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+def bits(x):
+    """The raw bits of an array, as unsigned integers of the same width."""
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_tree_bitwise_equal(a, b):
+    """Same structure, same dtypes and shapes, and the same bits in every leaf."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype, where
+        assert x.shape == y.shape, where
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=where)
+
+
+def inner_counts(inner_state):
+    """Every ``count`` leaf of an optax state (schedules, adam, injected hyperparams)."""
+    found = optax.tree_utils.tree_get_all_with_path(inner_state, "count")
+    assert found
+    return [int(v) for _, v in found]
+
+
+def mixed_policy(compute_dtype):
+    return jaxamp.Policy(F32, compute_dtype, F32)
+
+
+def signed_zeros(x):
+    """Masks ``(x is -0.0, x is +0.0)``."""
+    x = np.asarray(x, np.float32)
+    return (x == 0) & np.signbit(x), (x == 0) & ~np.signbit(x)
+
+
+# --------------------------------------------------------------------------------------------
+# Working params equal the cast master, bit for bit
+# --------------------------------------------------------------------------------------------
+
+# Params of moderate magnitude (and signed zeros), moved by small steps: the documented domain
+# where the half-precision working params land exactly on the cast master.
+_PARAM_ELEMENT = st.one_of(
+    st.sampled_from([0.0, -0.0]),
+    st.floats(1.0, 100.0, allow_subnormal=False),
+    st.floats(-100.0, -1.0, allow_subnormal=False),
+)
+_GRAD_ELEMENT = st.one_of(
+    st.just(0.0),
+    st.floats(1e-3, 100.0, allow_subnormal=False),
+    st.floats(-100.0, -1e-3, allow_subnormal=False),
+)
+
+
+@st.composite
+def _update_cases(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    n = math.prod(shape)
+    compute_dtype = draw(st.sampled_from([BF16, F16, F32]))
+    optimizer = draw(st.sampled_from(["sgd", "adam"]))
+    lr = draw(st.sampled_from([1e-4, 1e-3]))
+    log2_scale = draw(st.one_of(st.none(), st.integers(0, 8)))
+    w = np.array(draw(st.lists(_PARAM_ELEMENT, min_size=n, max_size=n)), np.float32)
+    b = np.float32(draw(_PARAM_ELEMENT))
+    grads = []
+    for _ in range(3):
+        gw = np.array(draw(st.lists(_GRAD_ELEMENT, min_size=n, max_size=n)), np.float32)
+        gb = np.float32(draw(_GRAD_ELEMENT))
+        grads.append({"w": gw.reshape(shape), "b": gb})
+    # A param that starts at zero keeps one direction of motion, so that it only grows in
+    # magnitude (the documented exactness domain: no param shrinks by ~2**15x in one step).
+    first = grads[0]
+    for g in grads[1:]:
+        g["w"] = np.where(w.reshape(shape) == 0, np.abs(g["w"]) * np.sign(first["w"]), g["w"])
+        if b == 0:
+            g["b"] = np.float32(abs(g["b"]) * np.sign(first["b"]))
+    return dict(master={"w": w.reshape(shape), "b": b}, compute_dtype=compute_dtype,
+                optimizer=optimizer, lr=lr, log2_scale=log2_scale, grads=grads)
+
+
+@functools.cache
+def _transform(compute_dtype, optimizer, lr, log2_scale):
+    """``(policy, tx, jitted tx.update)``, cached so that examples share compilations."""
+    policy = mixed_policy(compute_dtype)
+    inner = optax.sgd(lr) if optimizer == "sgd" else optax.adam(lr)
+    if log2_scale is None:
+        loss_scale = jaxamp.NoOpLossScale()
+    else:
+        loss_scale = jaxamp.StaticLossScale(2.0**log2_scale)
+    tx = jaxamp.mixed_precision(inner, policy, loss_scale=loss_scale)
+    return policy, tx, jax.jit(tx.update)
+
+
+def _check_working_params_track_master(case):
+    policy, tx, update = _transform(case["compute_dtype"], case["optimizer"], case["lr"],
+                                    case["log2_scale"])
+    master = jax.tree.map(jnp.asarray, case["master"])
+    state = tx.init(master)
+    params = policy.cast_params_to_compute(master)
+    for step, true_grads in enumerate(case["grads"]):
+        scale = float(state.loss_scale.loss_scale)
+        scaled = jax.tree.map(
+            lambda g, scale=scale: jnp.asarray(g * scale).astype(case["compute_dtype"]),
+            true_grads)
+        updates, state = update(scaled, state, params)
+        params = optax.apply_updates(params, updates)
+        assert bool(state.grads_finite), step
+        assert int(state.applied_steps) == step + 1
+        for leaf in jax.tree.leaves(params):
+            assert leaf.dtype == case["compute_dtype"]
+        expected = policy.cast_params_to_compute(jaxamp.get_master_params(state))
+        assert_tree_bitwise_equal(params, expected)
+        assert_tree_bitwise_equal(jaxamp.working_params(state, policy), params)
+    for leaf in jax.tree.leaves(jaxamp.get_master_params(state)):
+        assert leaf.dtype == F32
+
+
+@settings(max_examples=50, deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink])
+@given(case=_update_cases())
+def test_working_params_equal_cast_master_bitwise(case):
+    _check_working_params_track_master(case)
+
+
+@pytest.mark.parametrize("compute_dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_working_params_equal_cast_master_bitwise_fixed_cases(compute_dtype, optimizer):
+    # A param at zero that adam keeps moving on its momentum after the gradient vanishes, and
+    # params of several magnitudes under varying gradients.
+    cases = [
+        dict(master={"w": np.zeros((1,), np.float32), "b": np.float32(0.0)},
+             grads=[{"w": np.zeros((1,), np.float32), "b": np.float32(g)}
+                    for g in (77.875, 0.0, 0.0)]),
+        dict(master={"w": np.array([[1.0, -3.5, 17.25], [-99.0, 2.0, 64.0]], np.float32),
+                     "b": np.float32(-5.0)},
+             grads=[{"w": np.array([[0.5, -2.0, 30.0], [7.0, -0.25, 1.5]], np.float32) * k,
+                     "b": np.float32(3.0 * k)} for k in (1.0, -0.5, 2.0)]),
+    ]
+    for case in cases:
+        _check_working_params_track_master(dict(case, compute_dtype=compute_dtype,
+                                                optimizer=optimizer, lr=1e-4, log2_scale=None))
+
+
+def test_docstring_example_lands_on_the_cast_master():
+    tx = jaxamp.mixed_precision(optax.sgd(0.25), "mixed_bfloat16")
+    master = {"w": jnp.array([1.0, 2.0])}
+    state = tx.init(master)
+    params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(master)
+    grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == BF16
+    assert params["w"].tolist() == [0.5, 1.0]
+    assert jaxamp.get_master_params(state)["w"].tolist() == [0.5, 1.0]
+
+
+# --------------------------------------------------------------------------------------------
+# Skipped steps
+# --------------------------------------------------------------------------------------------
+
+def _linear_loss(coeffs):
+    """``sum(c * p)`` in fp32: its gradient with respect to ``p`` is ``c`` exactly."""
+    def loss(params):
+        return sum(jnp.sum(params[k].astype(F32) * coeffs[k]) for k in coeffs)
+    return loss
+
+
+def _scaled_grads(loss, params, state):
+    return jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+
+
+def _poison(grads, leaf, index, value):
+    out = dict(grads)
+    out[leaf] = grads[leaf].at[index].set(value)
+    return out
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("applied_first", [False, True])
+def test_skipped_step_is_bit_identical(bad, applied_first):
+    policy = jaxamp.get_policy("mixed_float16")
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_float16")
+    assert isinstance(tx.init({"w": jnp.zeros(1)}).loss_scale, jaxamp.DynamicLossScale)
+    master = {"w": jnp.array([1.5, -0.0, 0.0, -2.25, 3e-3], F32),
+              "b": jnp.array([0.5, -0.0], F32)}
+    # Zero coefficients on the zero params, so an applied step leaves their sign alone.
+    coeffs = {"w": jnp.array([0.01, 0.0, 0.0, -0.03, 0.001], F32),
+              "b": jnp.array([0.02, 0.0], F32)}
+    loss = _linear_loss(coeffs)
+    state = tx.init(master)
+    params = policy.cast_params_to_compute(master)
+    update = jax.jit(tx.update)
+    if applied_first:
+        updates, state = update(_scaled_grads(loss, params, state), state, params)
+        params = optax.apply_updates(params, updates)
+        assert bool(state.grads_finite)
+        assert int(state.applied_steps) == 1
+    neg, pos = signed_zeros(params["w"])
+    assert neg[1] and pos[2]
+
+    grads = _poison(_scaled_grads(loss, params, state), "w", 3, bad)
+    before = state
+    updates, state = update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    # The updates are -0.0 everywhere, the additive identity that keeps a zero's sign.
+    for u in jax.tree.leaves(updates):
+        u = np.asarray(u)
+        assert np.all(u == 0) and np.all(np.signbit(u))
+    assert_tree_bitwise_equal(new_params, params)
+    neg, pos = signed_zeros(new_params["w"])
+    assert neg[1] and pos[2]
+    assert_tree_bitwise_equal(state.master_params, before.master_params)
+    assert_tree_bitwise_equal(state.inner_state, before.inner_state)
+    assert inner_counts(state.inner_state) == [int(applied_first)]
+    assert int(state.skipped_steps) == int(before.skipped_steps) + 1
+    assert int(state.applied_steps) == int(before.applied_steps)
+    assert not bool(state.grads_finite)
+    assert int(state.nonfinite_leaves) == 1
+    assert float(state.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
+    assert float(before.loss_scale.loss_scale) == 2.0**16
+
+
+def test_never_applies_a_nonfinite_update():
+    policy = jaxamp.get_policy("mixed_float16")
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), policy)
+    master = {"w": jnp.array([1.0, -0.0, 2.5], F32), "b": jnp.array(0.25, F32)}
+    state = tx.init(master)
+    params = policy.cast_params_to_compute(master)
+    update = jax.jit(tx.update)
+    bad_values = [np.nan, np.inf, -np.inf]
+    for i in range(10):
+        grads = {"w": jnp.array([1.0, bad_values[i % 3], 2.0], F16),
+                 "b": jnp.array(bad_values[(i + 1) % 3], F16)}
+        scale_before = float(state.loss_scale.loss_scale)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        assert_tree_bitwise_equal(state.master_params, master)
+        assert_tree_bitwise_equal(params, policy.cast_params_to_compute(master))
+        assert int(state.skipped_steps) == i + 1
+        assert float(state.loss_scale.loss_scale) == scale_before / 2
+    assert int(state.skipped_steps) == 10
+    assert int(state.applied_steps) == 0
+    assert inner_counts(state.inner_state) == [0]
+    assert float(state.loss_scale.loss_scale) == 2.0**6
+
+
+def test_apply_if_finite_applies_a_nonfinite_update_after_max_consecutive_errors():
+    # The contrast with optax.apply_if_finite, which gives up after max_consecutive_errors.
+    tx = optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=3)
+    params = {"w": jnp.array([1.0, 2.0], F32)}
+    state = tx.init(params)
+    nan_grads = {"w": jnp.array([np.nan, 1.0], F32)}
+    for _ in range(3):
+        updates, state = tx.update(nan_grads, state, params)
+        params = optax.apply_updates(params, updates)
+        assert np.all(np.isfinite(params["w"]))
+    updates, state = tx.update(nan_grads, state, params)
+    params = optax.apply_updates(params, updates)
+    assert not np.all(np.isfinite(params["w"]))
+
+
+def _inner_with_schedule(kind):
+    schedule = optax.linear_schedule(1.0, 0.0, 10)
+    if kind == "sgd":
+        return optax.sgd(schedule)
+    return optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam_injected"])
+def test_schedule_does_not_advance_on_skipped_steps(kind):
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    master = {"w": jnp.array([0.5, -1.25, 2.0], F32)}
+    good = [jnp.array(v, BF16) for v in ([0.25, -0.5, 1.0], [0.125, 0.75, -0.25],
+                                           [-1.0, 0.5, 0.5])]
+    bad = [jnp.array(v, BF16) for v in ([np.inf, 0.0, 0.0], [0.0, np.nan, 1.0])]
+    with_skips = [good[0], bad[0], good[1], bad[1], bad[0], good[2]]
+
+    def run(seq):
+        tx = jaxamp.mixed_precision(_inner_with_schedule(kind), policy)
+        state = tx.init(master)
+        params = policy.cast_params_to_compute(master)
+        history = []
+        for g in seq:
+            before = state
+            updates, state = tx.update({"w": g}, state, params)
+            params = optax.apply_updates(params, updates)
+            if not bool(state.grads_finite):
+                assert_tree_bitwise_equal(state.inner_state, before.inner_state)
+                counts = inner_counts(state.inner_state)
+                assert counts == [int(before.applied_steps)] * len(counts)
+            else:
+                history.append(state)
+        return history, params
+
+    clean, clean_params = run(good)
+    skipped, skipped_params = run(with_skips)
+    assert len(clean) == len(skipped) == 3
+    for a, b in zip(clean, skipped, strict=True):
+        assert_tree_bitwise_equal(a.master_params, b.master_params)
+        assert_tree_bitwise_equal(a.inner_state, b.inner_state)
+    assert_tree_bitwise_equal(clean_params, skipped_params)
+    assert int(skipped[-1].skipped_steps) == 3
+    assert set(inner_counts(skipped[-1].inner_state)) == {3}
+
+
+def test_sgd_schedule_lr_after_skips_matches_a_run_without_them():
+    # Spelled out: the third applied step uses lr = schedule(2) = 0.8, not schedule(5) = 0.5.
+    policy = jaxamp.get_policy("float32")
+    tx = jaxamp.mixed_precision(optax.sgd(optax.linear_schedule(1.0, 0.0, 10)), policy)
+    state = tx.init({"w": jnp.zeros((1,), F32)})
+    params = state.master_params
+    seq = [1.0, 1.0, np.inf, np.nan, np.inf, 1.0]
+    for g in seq:
+        updates, state = tx.update({"w": jnp.array([g], F32)}, state, params)
+        params = optax.apply_updates(params, updates)
+    expected = np.float32(0.0)
+    for lr in (1.0, 0.9, 0.8):
+        expected = np.float32(expected - np.float32(lr))
+    np.testing.assert_allclose(np.asarray(params["w"]), [expected], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Why master weights
+# --------------------------------------------------------------------------------------------
+
+def test_small_updates_accumulate_in_the_master_but_not_in_bf16():
+    lr, steps = 1e-4, 100
+    grads = {"w": jnp.ones((1,), BF16)}
+
+    # Pure bf16 training: 1.0 - 1e-4 rounds back to 1.0 every step.
+    sgd = optax.sgd(lr)
+    bf16_params = {"w": jnp.ones((1,), BF16)}
+    sgd_state = sgd.init(bf16_params)
+    for _ in range(steps):
+        updates, sgd_state = sgd.update(grads, sgd_state, bf16_params)
+        bf16_params = optax.apply_updates(bf16_params, updates)
+    assert bf16_params["w"].dtype == BF16
+    assert float(bf16_params["w"][0]) == 1.0
+
+    # Mixed precision: the fp32 master accumulates the updates.
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    tx = jaxamp.mixed_precision(optax.sgd(lr), policy)
+    state = tx.init({"w": jnp.ones((1,), F32)})
+    params = policy.cast_params_to_compute(state.master_params)
+    update = jax.jit(tx.update)
+    first_change = None
+    for i in range(steps):
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        if first_change is None and float(params["w"][0]) != 1.0:
+            first_change = i + 1
+    master = float(state.master_params["w"][0])
+    np.testing.assert_allclose(1.0 - master, steps * lr, rtol=1e-3)
+    assert params["w"].dtype == BF16
+    assert first_change is not None and first_change < steps
+    assert float(params["w"][0]) < 1.0
+    assert_tree_bitwise_equal(params, policy.cast_params_to_compute(state.master_params))
+
+
+# --------------------------------------------------------------------------------------------
+# Unscaling on a growth step
+# --------------------------------------------------------------------------------------------
+
+def test_unscale_uses_the_scale_of_this_step_on_growth_steps():
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    lr = 0.5
+    loss_scale = jaxamp.DynamicLossScale(loss_scale=4.0, growth_interval=1)
+    tx = jaxamp.mixed_precision(optax.sgd(lr), policy, loss_scale=loss_scale)
+    master = {"w": jnp.array([1.0, -2.0, 0.5], F32)}
+    coeffs = {"w": jnp.array([0.75, -1.5, 3.0], F32)}
+    loss = _linear_loss(coeffs)
+    state = tx.init(master)
+    params = policy.cast_params_to_compute(master)
+
+    ref = optax.sgd(lr)
+    ref_master = master
+    ref_state = ref.init(ref_master)
+    scales = [float(state.loss_scale.loss_scale)]
+    for _ in range(2):
+        grads = _scaled_grads(loss, params, state)
+        # The scaled gradient is c * scale, exact in bf16.
+        np.testing.assert_array_equal(np.asarray(grads["w"], np.float32),
+                                      np.asarray(coeffs["w"]) * scales[-1])
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        scales.append(float(state.loss_scale.loss_scale))
+
+        ref_updates, ref_state = ref.update(coeffs, ref_state, ref_master)
+        ref_master = optax.apply_updates(ref_master, ref_updates)
+        assert_tree_bitwise_equal(state.master_params, ref_master)
+    assert scales == [4.0, 8.0, 16.0]
+    np.testing.assert_array_equal(np.asarray(state.master_params["w"]),
+                                  np.asarray(master["w"]) - 2 * lr * np.asarray(coeffs["w"]))
+
+
+# --------------------------------------------------------------------------------------------
+# flax.training.train_state.TrainState
+# --------------------------------------------------------------------------------------------
+
+def test_works_with_flax_train_state():
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    true_w = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    y = x @ true_w + 0.25
+
+    def apply_fn(params, inputs):
+        return inputs @ params["w"] + params["b"]
+
+    master = {"w": jnp.zeros((4,), F32), "b": jnp.zeros((), F32)}
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16")
+    state = flax.training.train_state.TrainState.create(apply_fn=apply_fn, params=master, tx=tx)
+    state = state.replace(params=policy.cast_params_to_compute(state.params))
+
+    @jax.jit
+    def train_step(state, x, y):
+        def loss_fn(params):
+            pred = state.apply_fn(params, x.astype(BF16))
+            loss = jnp.mean((pred.astype(F32) - y) ** 2)
+            return jaxamp.scale_loss(loss, state.opt_state), loss
+        grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    losses = []
+    for _ in range(30):
+        state, loss = train_step(state, x, y)
+        losses.append(float(loss))
+        for leaf in jax.tree.leaves(state.params):
+            assert leaf.dtype == BF16
+        assert_tree_bitwise_equal(
+            state.params, policy.cast_params_to_compute(jaxamp.get_master_params(state.opt_state)))
+    assert int(state.step) == 30
+    assert int(jaxamp.find_state(state.opt_state).applied_steps) == 30
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(np.isfinite(losses))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+def test_grads_tree_mismatch_raises():
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    state = tx.init({"w": jnp.ones(2), "b": jnp.ones(())})
+    params = {"w": jnp.ones(2, BF16), "b": jnp.ones((), BF16)}
+    with pytest.raises(ValueError):
+        tx.update({"w": jnp.ones(2, BF16)}, state, params)
+    with pytest.raises(ValueError):
+        tx.update({"w": jnp.ones(2, BF16), "c": jnp.ones((), BF16)}, state, params)
+    with pytest.raises(ValueError):
+        tx.update([jnp.ones(2, BF16), jnp.ones((), BF16)], state, params)
+
+
+def test_scale_loss_rejects_non_scalar_and_integer_losses():
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+    state = tx.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError):
+        jaxamp.scale_loss(jnp.ones(3), state)
+    with pytest.raises(ValueError):
+        jaxamp.scale_loss(jnp.ones((1, 1)), state)
+    with pytest.raises(TypeError):
+        jaxamp.scale_loss(jnp.array(3, jnp.int32), state)
+    scaled = jaxamp.scale_loss(jnp.array(1.5, F16), state)
+    assert scaled.dtype == F32 and float(scaled) == 1.5 * 2.0**16
+
+
+def test_scale_loss_finds_the_state_inside_a_chain():
+    tx = optax.chain(optax.identity(),
+                     jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16",
+                                            loss_scale=jaxamp.StaticLossScale(8.0)))
+    state = tx.init({"w": jnp.ones(2)})
+    assert float(jaxamp.scale_loss(jnp.float32(0.5), state)) == 4.0
+
+
+# --------------------------------------------------------------------------------------------
+# Dtype invariance of the state
+# --------------------------------------------------------------------------------------------
+
+def _avals(tree):
+    """``(path, dtype, shape, weak_type)`` of every leaf."""
+    return [(jax.tree_util.keystr(path), jnp.asarray(x).dtype, jnp.shape(x),
+             getattr(x, "weak_type", False))
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+@pytest.mark.parametrize("compute_dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("scale_kind", ["noop", "static", "dynamic"])
+def test_state_dtypes_are_invariant(compute_dtype, scale_kind):
+    loss_scale = {"noop": jaxamp.NoOpLossScale(),
+                  "static": jaxamp.StaticLossScale(2.0**4),
+                  "dynamic": jaxamp.DynamicLossScale(loss_scale=2.0**4, growth_interval=1)}
+    policy = mixed_policy(compute_dtype)
+    tx = jaxamp.mixed_precision(optax.adam(1e-3), policy, loss_scale=loss_scale[scale_kind])
+    master = {"w": jnp.array([[1.0, -2.0], [0.5, 0.0]], F32), "b": jnp.array([0.1, 0.2], F32)}
+    state = tx.init(master)
+    params = policy.cast_params_to_compute(master)
+    init_avals = _avals(state)
+    init_structure = jax.tree.structure(state)
+    update = jax.jit(tx.update)
+    finite = {"w": jnp.full((2, 2), 0.5, compute_dtype), "b": jnp.ones((2,), compute_dtype)}
+    nonfinite = {"w": finite["w"].at[0, 1].set(jnp.inf), "b": finite["b"].at[1].set(jnp.nan)}
+    for grads, ok in [(finite, True), (nonfinite, False), (finite, True)]:
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        assert bool(state.grads_finite) == ok
+        assert jax.tree.structure(state) == init_structure
+        assert _avals(state) == init_avals
+        for leaf in jax.tree.leaves(state.master_params):
+            assert leaf.dtype == F32
+        for leaf in jax.tree.leaves(params):
+            assert leaf.dtype == compute_dtype
+    assert int(state.applied_steps) == 2 and int(state.skipped_steps) == 1

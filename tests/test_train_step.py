@@ -1,0 +1,642 @@
+"""Tests of ``jaxamp.TrainState`` and ``jaxamp.make_train_step`` under jit, sharded jit and pmap."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+import jaxamp
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+N_DEVICES = 8
+BATCH = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers: a tiny MLP, its losses and a batch
+# --------------------------------------------------------------------------------------------
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_tree_bitwise_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype, where
+        assert x.shape == y.shape, where
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=where)
+
+
+def assert_tree_allclose(a, b, **tol):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                                   err_msg=jax.tree_util.keystr(path), **tol)
+
+
+def init_params(seed=0, n_out=1):
+    rng = np.random.default_rng(seed)
+    return {
+        "dense1": {"kernel": jnp.asarray(rng.normal(size=(4, 8)) * 0.5, F32),
+                   "bias": jnp.asarray(rng.normal(size=(8,)) * 0.1, F32)},
+        "dense2": {"kernel": jnp.asarray(rng.normal(size=(8, n_out)) * 0.5, F32),
+                   "bias": jnp.zeros((n_out,), F32)},
+    }
+
+
+def make_batch(seed=1, n=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] - x[:, 3]).astype(np.float32)
+    return {"x": x, "y": y, "poison": np.ones((n,), np.float32)}
+
+
+def hidden(params, x):
+    return jnp.tanh(x @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+
+
+def mlp(params, x):
+    return (hidden(params, x) @ params["dense2"]["kernel"] + params["dense2"]["bias"])[:, 0]
+
+
+def per_example_loss(params, batch):
+    pred = mlp(params, batch["x"]).astype(F32)
+    return (pred - batch["y"].astype(F32)) ** 2
+
+
+def mse_loss(params, batch):
+    """Mean squared error in fp32, multiplied by ``batch['poison']`` (ones, or an inf)."""
+    return jnp.mean(batch["poison"].astype(F32) * per_example_loss(params, batch))
+
+
+def xent_loss(params, batch):
+    h = hidden(params, batch["x"])
+    logits = (h @ params["dense2"]["kernel"] + params["dense2"]["bias"]).astype(F32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+    return jnp.mean(batch["poison"].astype(F32) * loss)
+
+
+def make_state(policy="float32", inner=None, loss_scale=None, **kwargs):
+    inner = optax.sgd(0.1) if inner is None else inner
+    tx = jaxamp.mixed_precision(inner, policy, loss_scale=loss_scale)
+    return jaxamp.TrainState.create(params=init_params(kwargs.pop("seed", 0),
+                                                       kwargs.pop("n_out", 1)),
+                                    tx=tx, **kwargs)
+
+
+def poisoned(batch, index, value=np.inf, field="poison"):
+    out = {k: np.array(v) for k, v in batch.items()}
+    out[field][index] = value
+    return out
+
+
+def replicated_sharding():
+    return NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec())
+
+
+def mp_state(state):
+    return jaxamp.find_state(state.opt_state)
+
+
+# --------------------------------------------------------------------------------------------
+# The three layouts agree
+# --------------------------------------------------------------------------------------------
+
+def run_pmap(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
+    step = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch", **step_kwargs),
+                    axis_name="batch")
+    rstate = jaxamp.replicate(state)
+    metrics = []
+    for _ in range(steps):
+        rstate, m = step(rstate, jaxamp.shard_batch(batch))
+        metrics.append(m)
+    return rstate, metrics
+
+
+def run_jit_sharded(state, batch, steps, loss_fn=mse_loss):
+    step = jax.jit(jaxamp.make_train_step(loss_fn))
+    state = jax.device_put(state, replicated_sharding())
+    sharded = jaxamp.put_sharded(batch)
+    assert len(sharded["x"].sharding.device_set) == N_DEVICES
+    metrics = []
+    for _ in range(steps):
+        state, m = step(state, sharded)
+        metrics.append(m)
+    return state, metrics
+
+
+def run_jit(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
+    step = jax.jit(jaxamp.make_train_step(loss_fn, **step_kwargs))
+    metrics = []
+    for _ in range(steps):
+        state, m = step(state, batch)
+        metrics.append(m)
+    return state, metrics
+
+
+def assert_replicas_identical(rstate):
+    for leaf in jax.tree.leaves(rstate):
+        leaf = np.asarray(leaf)
+        for i in range(1, leaf.shape[0]):
+            np.testing.assert_array_equal(bits(leaf[i]), bits(leaf[0]))
+
+
+@pytest.mark.parametrize("policy, master_tol, params_tol", [
+    ("float32", dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-5, atol=1e-6)),
+    # bf16 gradients are rounded per device before the fp32 mean: the masters still agree to
+    # ~1e-3, and the bf16 working params to about one bf16 ulp.
+    ("mixed_bfloat16", dict(rtol=0, atol=2e-3), dict(rtol=1e-2, atol=1e-3)),
+])
+def test_pmap_sharded_jit_and_single_device_jit_agree(policy, master_tol, params_tol):
+    batch = make_batch()
+    state = make_state(policy)
+    steps = 5
+    p_state, p_metrics = run_pmap(state, batch, steps)
+    s_state, s_metrics = run_jit_sharded(state, batch, steps)
+    j_state, j_metrics = run_jit(state, batch, steps)
+
+    assert_replicas_identical(p_state)
+    p_state = jaxamp.unreplicate(p_state)
+    for other in (s_state, j_state):
+        assert_tree_allclose(p_state.master_params, other.master_params, **master_tol)
+        assert_tree_allclose(p_state.params, other.params, **params_tol)
+    for s in (p_state, s_state, j_state):
+        assert int(s.step) == steps
+        assert int(mp_state(s).applied_steps) == steps
+        for leaf in jax.tree.leaves(s.master_params):
+            assert leaf.dtype == F32
+        compute = jaxamp.get_policy(policy).compute_dtype
+        for leaf in jax.tree.leaves(s.params):
+            assert leaf.dtype == compute
+        assert_tree_bitwise_equal(s.params,
+                                  jaxamp.get_policy(policy).cast_params_to_compute(
+                                      s.master_params))
+    # Training happened, and the three agree on the loss.
+    for ms in (p_metrics, s_metrics, j_metrics):
+        assert float(np.mean(ms[-1]["loss"])) < float(np.mean(ms[0]["loss"]))
+    for a, b, c in zip(p_metrics, s_metrics, j_metrics, strict=True):
+        np.testing.assert_allclose(np.asarray(a["loss"]), float(c["loss"]), rtol=1e-2 if
+                                   policy != "float32" else 1e-5)
+        np.testing.assert_allclose(float(b["loss"]), float(c["loss"]),
+                                   rtol=1e-2 if policy != "float32" else 1e-5)
+    moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                         j_state.master_params, state.master_params)
+    assert max(jax.tree.leaves(moved)) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# A non-finite value on one device skips the step everywhere
+# --------------------------------------------------------------------------------------------
+
+def test_inf_in_one_device_shard_skips_the_step_on_every_device():
+    scale = jaxamp.DynamicLossScale(loss_scale=2.0**8)
+    state = make_state("mixed_float16", inner=optax.adam(1e-2), loss_scale=scale)
+    step = jax.pmap(jaxamp.make_train_step(mse_loss, axis_name="batch"), axis_name="batch")
+    rstate = jaxamp.replicate(state)
+    batch = make_batch()
+
+    rstate, m = step(rstate, jaxamp.shard_batch(batch))
+    assert np.all(np.asarray(m["grads_finite"]))
+    before = rstate
+    # Example 5 sits on device 2 (two examples per device).
+    bad = poisoned(batch, 5)
+    rstate, m = step(rstate, jaxamp.shard_batch(bad))
+
+    assert np.asarray(m["grads_finite"]).shape == (N_DEVICES,)
+    assert not np.any(np.asarray(m["grads_finite"]))
+    np.testing.assert_array_equal(np.asarray(m["skipped_steps"]), np.ones(N_DEVICES))
+    np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N_DEVICES, 2.0**8))
+    assert_tree_bitwise_equal(rstate.params, before.params)
+    assert_tree_bitwise_equal(mp_state(rstate).master_params, mp_state(before).master_params)
+    assert_tree_bitwise_equal(mp_state(rstate).inner_state, mp_state(before).inner_state)
+    np.testing.assert_array_equal(np.asarray(mp_state(rstate).loss_scale.loss_scale),
+                                  np.full(N_DEVICES, 2.0**7))
+    np.testing.assert_array_equal(np.asarray(rstate.step), np.full(N_DEVICES, 2))
+    assert_replicas_identical(rstate)
+
+    # The next clean step is applied again, on every device.
+    rstate, m = step(rstate, jaxamp.shard_batch(batch))
+    assert np.all(np.asarray(m["grads_finite"]))
+    np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N_DEVICES, 2.0**7))
+    assert_replicas_identical(rstate)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient accumulation
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss_name", ["mse", "xent"])
+def test_accumulation_equals_one_step_on_the_full_batch(loss_name):
+    batch = make_batch()
+    if loss_name == "mse":
+        loss_fn, n_out = mse_loss, 1
+    else:
+        loss_fn, n_out = xent_loss, 3
+        batch["label"] = (np.arange(BATCH) % 3).astype(np.int32)
+    state = make_state("float32", inner=optax.sgd(0.5), n_out=n_out)
+    acc_state, acc_metrics = run_jit(state, batch, 3, loss_fn=loss_fn, accum_steps=4)
+    full_state, full_metrics = run_jit(state, batch, 3, loss_fn=loss_fn)
+    assert_tree_allclose(acc_state.master_params, full_state.master_params, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(acc_state.params, full_state.params, rtol=1e-5, atol=1e-6)
+    for a, f in zip(acc_metrics, full_metrics, strict=True):
+        np.testing.assert_allclose(float(a["loss"]), float(f["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(a["grad_norm"]), float(f["grad_norm"]), rtol=1e-5)
+        assert bool(a["grads_finite"])
+    assert int(acc_state.step) == 3
+    assert int(mp_state(acc_state).applied_steps) == 3
+    assert float(acc_metrics[-1]["loss"]) < float(acc_metrics[0]["loss"])
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_overflow_in_one_micro_batch_skips_the_whole_step(policy):
+    state = make_state(policy, inner=optax.adam(1e-2))
+    step = jax.jit(jaxamp.make_train_step(mse_loss, accum_steps=4))
+    batch = make_batch()
+    state, m = step(state, batch)
+    assert bool(m["grads_finite"])
+    before = state
+    # Example 9 belongs to the third of four micro-batches.
+    state, m = step(state, poisoned(batch, 9))
+    assert not bool(m["grads_finite"])
+    assert int(m["skipped_steps"]) == 1
+    assert_tree_bitwise_equal(state.params, before.params)
+    assert_tree_bitwise_equal(mp_state(state).master_params, mp_state(before).master_params)
+    assert_tree_bitwise_equal(mp_state(state).inner_state, mp_state(before).inner_state)
+    assert int(mp_state(state).applied_steps) == 1
+    assert int(state.step) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# aux, model state, rng
+# --------------------------------------------------------------------------------------------
+
+def stats_loss(params, batch, model_state):
+    """A fake BatchNorm: running mean of x in the model state, plus a step counter."""
+    x = batch["x"].astype(F32)
+    new_state = {"mean": 0.9 * model_state["mean"] + 0.1 * jnp.mean(x, axis=0),
+                 "count": model_state["count"] + 1}
+    loss = mse_loss(params, batch)
+    aux = {"pred_mean": jnp.mean(mlp(params, batch["x"]).astype(F32))}
+    return loss, new_state, aux
+
+
+def initial_model_state():
+    return {"mean": jnp.array([0.5, -0.25, 1.0, 0.0], F32), "count": jnp.zeros((), jnp.int32)}
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_model_state_is_updated_on_applied_steps_and_kept_on_skips(policy):
+    state = make_state(policy, model_state=initial_model_state())
+    step = jax.jit(jaxamp.make_train_step(stats_loss, has_aux=True, has_model_state=True))
+    batch = make_batch()
+    ms0 = state.model_state
+    state, m = step(state, batch)
+    assert bool(m["grads_finite"])
+    x = np.asarray(jaxamp.get_policy(policy).cast_to_compute(batch)["x"], np.float32)
+    expected = 0.9 * np.asarray(ms0["mean"]) + 0.1 * x.mean(axis=0)
+    np.testing.assert_allclose(np.asarray(state.model_state["mean"]), expected, rtol=1e-6,
+                               atol=1e-7)
+    assert int(state.model_state["count"]) == 1
+    assert state.model_state["mean"].dtype == F32
+    assert set(m) >= {"loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm",
+                      "nonfinite_leaves", "aux"}
+    assert m["aux"]["pred_mean"].shape == ()
+
+    before = state
+    state, m = step(state, poisoned(batch, 0))
+    assert not bool(m["grads_finite"])
+    assert_tree_bitwise_equal(state.model_state, before.model_state)
+    assert_tree_bitwise_equal(state.params, before.params)
+    assert int(state.model_state["count"]) == 1
+
+
+def test_model_state_is_threaded_through_micro_batches():
+    state = make_state("float32", model_state=initial_model_state())
+    step = jax.jit(jaxamp.make_train_step(stats_loss, has_aux=True, has_model_state=True,
+                                          accum_steps=2))
+    batch = make_batch()
+    ms0 = np.asarray(state.model_state["mean"])
+    state, m = step(state, batch)
+    x = batch["x"]
+    first = 0.9 * ms0 + 0.1 * x[:8].mean(axis=0)
+    expected = 0.9 * first + 0.1 * x[8:].mean(axis=0)
+    np.testing.assert_allclose(np.asarray(state.model_state["mean"]), expected, rtol=1e-6,
+                               atol=1e-7)
+    assert int(state.model_state["count"]) == 2
+    # aux is stacked over the micro-batches.
+    assert m["aux"]["pred_mean"].shape == (2,)
+
+    before = state
+    state, m = step(state, poisoned(batch, 12))
+    assert not bool(m["grads_finite"])
+    assert_tree_bitwise_equal(state.model_state, before.model_state)
+
+
+def test_loss_with_model_state_only():
+    def loss_fn(params, batch, model_state):
+        loss, new_state, _ = stats_loss(params, batch, model_state)
+        return loss, new_state
+
+    state = make_state("mixed_bfloat16", model_state=initial_model_state())
+    state, m = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))(state,
+                                                                               make_batch())
+    assert int(state.model_state["count"]) == 1
+    assert "aux" not in m
+
+
+def dropout_loss(params, batch, rng):
+    h = hidden(params, batch["x"])
+    keep = jax.random.bernoulli(rng, 0.5, h.shape)
+    h = jnp.where(keep, h * 2, jnp.zeros_like(h))
+    pred = (h @ params["dense2"]["kernel"] + params["dense2"]["bias"])[:, 0].astype(F32)
+    loss = jnp.mean((pred - batch["y"].astype(F32)) ** 2)
+    return loss, {"key": jax.random.key_data(rng), "kept": jnp.mean(keep.astype(F32))}
+
+
+def test_rng_differs_between_steps_and_the_state_key_is_unchanged():
+    key = jax.random.key(42)
+    state = make_state("mixed_bfloat16", rng=key)
+    step = jax.jit(jaxamp.make_train_step(dropout_loss, has_aux=True, has_rng=True))
+    batch = make_batch()
+    keys = []
+    for _ in range(3):
+        state, m = step(state, batch)
+        keys.append(np.asarray(m["aux"]["key"]))
+        assert bool(m["grads_finite"])
+        assert 0.0 < float(m["aux"]["kept"]) < 1.0
+        np.testing.assert_array_equal(np.asarray(jax.random.key_data(state.rng)),
+                                      np.asarray(jax.random.key_data(key)))
+    assert not np.array_equal(keys[0], keys[1])
+    assert not np.array_equal(keys[1], keys[2])
+    assert not np.array_equal(keys[0], np.asarray(jax.random.key_data(key)))
+
+    # The same state and batch give the same key: the step is a pure function.
+    fresh = make_state("mixed_bfloat16", rng=key)
+    _, m1 = step(fresh, batch)
+    _, m2 = step(fresh, batch)
+    np.testing.assert_array_equal(np.asarray(m1["aux"]["key"]), keys[0])
+    np.testing.assert_array_equal(np.asarray(m2["aux"]["key"]), keys[0])
+
+
+def test_rng_differs_between_micro_batches_and_devices():
+    key = jax.random.key(7)
+    state = make_state("float32", rng=key)
+    batch = make_batch()
+    step = jax.jit(jaxamp.make_train_step(dropout_loss, has_aux=True, has_rng=True,
+                                          accum_steps=2))
+    _, m = step(state, batch)
+    keys = np.asarray(m["aux"]["key"])
+    assert keys.shape[0] == 2
+    assert not np.array_equal(keys[0], keys[1])
+
+    rstate, metrics = run_pmap(state, batch, 1, loss_fn=dropout_loss, has_aux=True,
+                               has_rng=True)
+    device_keys = np.asarray(metrics[0]["aux"]["key"])
+    assert device_keys.shape[0] == N_DEVICES
+    assert len({k.tobytes() for k in device_keys}) == N_DEVICES
+    # Gradients are still averaged: every replica holds the same params.
+    assert_replicas_identical(rstate.params)
+
+
+def test_has_rng_without_a_key_raises():
+    state = make_state("float32")
+    step = jax.jit(jaxamp.make_train_step(dropout_loss, has_aux=True, has_rng=True))
+    with pytest.raises(ValueError, match="rng"):
+        step(state, make_batch())
+
+
+# --------------------------------------------------------------------------------------------
+# reduce_dtype
+# --------------------------------------------------------------------------------------------
+
+def test_bfloat16_reduction_under_pmap_is_close_to_fp32():
+    batch = make_batch()
+    state = make_state("float32")
+    f32_state, _ = run_pmap(state, batch, 5)
+    bf16_state, m = run_pmap(state, batch, 5, reduce_dtype=jnp.bfloat16)
+    assert np.all(np.asarray(m[-1]["grads_finite"]))
+    f32_state, bf16_state = jaxamp.unreplicate(f32_state), jaxamp.unreplicate(bf16_state)
+    assert_tree_allclose(bf16_state.master_params, f32_state.master_params, rtol=0, atol=2e-3)
+    for leaf in jax.tree.leaves(bf16_state.master_params):
+        assert leaf.dtype == F32
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled once, whatever the loss scale does
+# --------------------------------------------------------------------------------------------
+
+def expected_scales(initial, poisoned_steps, n, growth_interval, max_scale):
+    """The scale used at each step, by the documented rule (x2 on the n-th finite, /2 on inf)."""
+    scale, tracker, used = initial, 0, []
+    for i in range(n):
+        used.append(scale)
+        if i in poisoned_steps:
+            scale, tracker = scale / 2, 0
+        else:
+            tracker += 1
+            if tracker >= growth_interval:
+                scale, tracker = min(scale * 2, max_scale), 0
+    return used
+
+
+def test_step_compiles_once_while_the_scale_grows_backs_off_and_skips():
+    scale = jaxamp.DynamicLossScale(loss_scale=2.0**4, growth_interval=3, max_scale=2.0**10)
+    state = make_state("mixed_float16", inner=optax.adam(1e-3), loss_scale=scale)
+    jitted = jax.jit(jaxamp.make_train_step(mse_loss))
+    batch = make_batch()
+    poisoned_steps = {5, 6, 17, 30, 31, 32, 45}
+    bad = poisoned(batch, 3)
+    scales, finite = [], []
+    for i in range(50):
+        state, m = jitted(state, bad if i in poisoned_steps else batch)
+        scales.append(float(m["loss_scale"]))
+        finite.append(bool(m["grads_finite"]))
+    assert jitted._cache_size() == 1
+    assert finite == [i not in poisoned_steps for i in range(50)]
+    assert scales == expected_scales(2.0**4, poisoned_steps, 50, 3, 2.0**10)
+    assert max(scales) == 2.0**10
+    assert any(b < a for a, b in zip(scales, scales[1:], strict=False))
+    assert int(m["skipped_steps"]) == len(poisoned_steps)
+    assert int(mp_state(state).applied_steps) == 50 - len(poisoned_steps)
+    assert int(state.step) == 50
+
+
+# --------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------
+
+def test_metric_values():
+    scale = jaxamp.DynamicLossScale(loss_scale=8.0, growth_interval=1)
+    state = make_state("float32", inner=optax.sgd(0.1), loss_scale=scale)
+    step = jax.jit(jaxamp.make_train_step(mse_loss))
+    batch = make_batch()
+    reference = jax.jit(lambda p, b: (mse_loss(p, b), optax.tree.norm(jax.grad(mse_loss)(p, b))))
+    for expected_scale in (8.0, 16.0, 32.0):
+        true_loss, true_norm = reference(state.params, batch)
+        state, m = step(state, batch)
+        np.testing.assert_allclose(float(m["loss"]), float(true_loss), rtol=1e-6)
+        assert float(m["loss_scale"]) == expected_scale
+        assert m["loss_scale"].dtype == F32
+        np.testing.assert_allclose(float(m["grad_norm"]), float(true_norm), rtol=1e-5)
+        assert bool(m["grads_finite"])
+        assert int(m["skipped_steps"]) == 0
+        assert int(m["nonfinite_leaves"]) == 0
+        assert m["loss"].dtype == F32 and m["grad_norm"].dtype == F32
+
+
+def test_loss_metric_is_the_unscaled_fp32_loss_of_the_working_params():
+    policy = jaxamp.get_policy("mixed_float16")
+    state = make_state(policy, loss_scale=jaxamp.StaticLossScale(2.0**6))
+    batch = make_batch()
+    expected = mse_loss(state.params, policy.cast_to_compute(batch))
+    _, m = jax.jit(jaxamp.make_train_step(mse_loss))(state, batch)
+    assert m["loss"].dtype == F32
+    np.testing.assert_allclose(float(m["loss"]), float(expected), rtol=1e-3)
+    assert float(m["loss_scale"]) == 2.0**6
+
+
+def nan_two_leaves_loss(params, batch):
+    """A loss whose gradient is nan in exactly two leaves (dense2's kernel and bias)."""
+    term = jnp.mean(batch["nanfield"].astype(F32)) * (
+        jnp.sum(params["dense2"]["kernel"].astype(F32))
+        + jnp.sum(params["dense2"]["bias"].astype(F32)))
+    return mse_loss(params, batch) + term
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_nonfinite_leaves_counts_the_leaves_with_inf_or_nan(policy):
+    state = make_state(policy)
+    step = jax.jit(jaxamp.make_train_step(nan_two_leaves_loss))
+    batch = dict(make_batch(), nanfield=np.zeros((BATCH,), np.float32))
+    state, m = step(state, batch)
+    assert bool(m["grads_finite"]) and int(m["nonfinite_leaves"]) == 0
+    before = state
+    state, m = step(state, poisoned(batch, 4, np.nan, field="nanfield"))
+    assert int(m["nonfinite_leaves"]) == 2
+    assert not bool(m["grads_finite"])
+    assert int(m["skipped_steps"]) == 1
+    assert_tree_bitwise_equal(state.params, before.params)
+    assert_tree_bitwise_equal(state.master_params, before.master_params)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------
+
+def test_accum_steps_that_do_not_divide_the_batch_raise():
+    step = jax.jit(jaxamp.make_train_step(mse_loss, accum_steps=3))
+    with pytest.raises(ValueError) as info:
+        step(make_state(), make_batch())
+    assert "accum_steps" in str(info.value)
+    assert "16" in str(info.value)
+
+
+@pytest.mark.parametrize("accum_steps", [0, -1])
+def test_accum_steps_below_one_raise(accum_steps):
+    with pytest.raises(ValueError, match="accum_steps"):
+        jaxamp.make_train_step(mse_loss, accum_steps=accum_steps)
+
+
+def test_shard_batch_that_does_not_divide_raises():
+    with pytest.raises(ValueError, match="8"):
+        jaxamp.shard_batch(make_batch(n=10))
+    with pytest.raises(ValueError, match="8"):
+        jaxamp.put_sharded(make_batch(n=10))
+    sharded = jaxamp.shard_batch(make_batch())
+    assert sharded["x"].shape == (N_DEVICES, BATCH // N_DEVICES, 4)
+
+
+def test_non_scalar_loss_raises():
+    step = jax.jit(jaxamp.make_train_step(per_example_loss))
+    with pytest.raises(ValueError, match="scalar"):
+        step(make_state(), make_batch())
+
+
+def test_integer_loss_raises():
+    def int_loss(params, batch):
+        return jnp.sum(batch["label"])
+
+    step = jax.jit(jaxamp.make_train_step(int_loss))
+    batch = dict(make_batch(), label=np.arange(BATCH, dtype=np.int32))
+    with pytest.raises(TypeError):
+        step(make_state(), batch)
+
+
+def test_unbound_axis_name_under_jit_raises():
+    step = jax.jit(jaxamp.make_train_step(mse_loss, axis_name="batch"))
+    with pytest.raises(ValueError, match="batch"):
+        step(make_state(), make_batch())
+
+
+def test_train_state_policy_must_match_the_transform():
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    with pytest.raises(ValueError):
+        jaxamp.TrainState.create(params=init_params(), tx=tx, policy="mixed_float16")
+    with pytest.raises(ValueError):
+        jaxamp.TrainState.create(params=init_params(), tx=tx, policy="float32")
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx, policy="mixed_bfloat16")
+    assert state.params["dense1"]["kernel"].dtype == BF16
+    assert state.master_params["dense1"]["kernel"].dtype == F32
+
+
+def test_create_casts_params_and_keeps_the_master_in_fp32():
+    params = init_params()
+    state = make_state("mixed_float16")
+    assert_tree_bitwise_equal(state.master_params, params)
+    assert_tree_bitwise_equal(state.params,
+                              jax.tree.map(lambda x: x.astype(F16), params))
+    assert float(state.loss_scale) == 2.0**16
+    assert int(state.step) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The half-precision promotion warning
+# --------------------------------------------------------------------------------------------
+
+def promoting_loss(params, batch):
+    h = hidden(params, batch["x"])
+    h = h * jnp.ones((8,), F32)  # an fp32 constant promotes the next matmul to fp32
+    pred = (h @ params["dense2"]["kernel"] + params["dense2"]["bias"])[:, 0]
+    return jnp.mean((pred.astype(F32) - batch["y"].astype(F32)) ** 2)
+
+
+def clean_loss(params, batch):
+    return jnp.mean(per_example_loss(params, batch))
+
+
+def _trace_and_collect_warnings(loss_fn, policy, **kwargs):
+    state = make_state(policy)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(state, make_batch())
+    return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_fp32_matmul_under_a_half_precision_policy_warns():
+    caught = _trace_and_collect_warnings(promoting_loss, "mixed_bfloat16")
+    assert caught, "expected a UserWarning about an fp32 matmul"
+    assert any("float32" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_clean_loss_does_not_warn(policy):
+    assert _trace_and_collect_warnings(clean_loss, policy) == []
+
+
+def test_promotion_warning_can_be_turned_off_and_is_silent_in_fp32():
+    assert _trace_and_collect_warnings(promoting_loss, "mixed_bfloat16",
+                                       warn_fp32_matmuls=False) == []
+    assert _trace_and_collect_warnings(promoting_loss, "float32") == []
