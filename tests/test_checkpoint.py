@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from bitwise import assert_tree_bitwise_equal
 
 import jaxamp
 
@@ -43,15 +44,9 @@ def _batches(n):
     return out
 
 
-def _bits(tree):
-    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
-
-
 def _assert_bit_identical(a, b):
-    la, lb = _bits(a), _bits(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_array_equal(x, y)
+    """Every leaf, bit for bit (the static tx differs between two created states)."""
+    assert_tree_bitwise_equal(jax.tree.leaves(a), jax.tree.leaves(b))
 
 
 @pytest.fixture(scope="module")

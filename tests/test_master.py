@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_tree_bitwise_equal
 from hypothesis import Phase
 from hypothesis import given
 from hypothesis import settings
@@ -22,24 +23,6 @@ F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-def bits(x):
-    """The raw bits of an array, as unsigned integers of the same width."""
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def assert_tree_bitwise_equal(a, b):
-    """Same structure, same dtypes and shapes, and the same bits in every leaf."""
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
-                            strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        where = jax.tree_util.keystr(path)
-        assert x.dtype == y.dtype, where
-        assert x.shape == y.shape, where
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=where)
-
 
 def inner_counts(inner_state):
     """Every ``count`` leaf of an optax state (schedules, adam, injected hyperparams)."""

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from bitwise import assert_tree_bitwise_equal
+from bitwise import bits
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -21,22 +23,6 @@ BATCH = 16
 # --------------------------------------------------------------------------------------------
 # Helpers: a tiny MLP, its losses and a batch
 # --------------------------------------------------------------------------------------------
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def assert_tree_bitwise_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
-                            strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        where = jax.tree_util.keystr(path)
-        assert x.dtype == y.dtype, where
-        assert x.shape == y.shape, where
-        np.testing.assert_array_equal(bits(x), bits(y), err_msg=where)
-
 
 def assert_tree_allclose(a, b, **tol):
     assert jax.tree.structure(a) == jax.tree.structure(b)
