@@ -518,3 +518,40 @@ def test_state_dtypes_are_invariant(compute_dtype, scale_kind):
         for leaf in jax.tree.leaves(params):
             assert leaf.dtype == compute_dtype
     assert int(state.applied_steps) == 2 and int(state.skipped_steps) == 1
+
+
+def test_works_as_an_nnx_optimizer():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
+            self.l1 = nnx.Linear(4, 8, **kw)
+            self.l2 = nnx.Linear(8, 1, **kw)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16"),
+                              wrt=nnx.Param)
+    x = jnp.linspace(-1, 1, 64).reshape(16, 4)
+    y = jnp.sin(x.sum(-1))
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        def loss_fn(model):
+            loss = jnp.mean((model(x)[:, 0].astype(jnp.float32) - y) ** 2)
+            return jaxamp.scale_loss(loss, optimizer.opt_state), loss
+        (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(train_step(model, optimizer)) for _ in range(100)]
+    assert losses[-1] < 0.5 * losses[0]
+    master = jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state))
+    working = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(m.dtype == jnp.float32 for m in master)
+    assert_tree_bitwise_equal([w.astype(jnp.bfloat16) for w in working],
+                              [m.astype(jnp.bfloat16) for m in master])
+    assert all(w.dtype == jnp.bfloat16 for w in working)
