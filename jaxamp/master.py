@@ -49,6 +49,11 @@ _INT32_MAX = 2**31 - 1
 class MixedPrecisionState(NamedTuple):
     """The state of :func:`mixed_precision`. Every leaf is an array.
 
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.adam(1e-3), "mixed_bfloat16").init({"w": jnp.ones(2)})
+    >>> int(state.applied_steps), int(state.skipped_steps), state.master_params["w"].dtype
+    (0, 0, dtype('float32'))
+
     Attributes:
       master_params: the params in ``policy.param_dtype`` (fp32 for the mixed presets).
       inner_state: the wrapped optimizer's state, built on the master params.
@@ -272,6 +277,11 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
     """Returns the :class:`MixedPrecisionState` inside ``opt_state`` (at any depth).
 
     Raises ``ValueError`` when there is none, or more than one.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = optax.chain(optax.identity(), mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
+    >>> int(find_state(tx.init({"w": jnp.ones(2)})).skipped_steps)
+    0
     """
     found = [s for s in jax.tree.leaves(opt_state,
                                         is_leaf=lambda x: isinstance(x, MixedPrecisionState))
@@ -284,17 +294,35 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
-    """The loss-scale state held in ``opt_state`` (``.loss_scale`` is the fp32 scale)."""
+    """The loss-scale state held in ``opt_state`` (``.loss_scale`` is the fp32 scale).
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
+    >>> float(get_loss_scale(state).loss_scale)
+    65536.0
+    """
     return find_state(opt_state).loss_scale
 
 
 def get_master_params(opt_state: Any) -> Any:
-    """The fp32 master params held in ``opt_state``."""
+    """The fp32 master params held in ``opt_state``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    >>> get_master_params(tx.init({"w": jnp.ones(2, jnp.bfloat16)}))["w"].dtype
+    dtype('float32')
+    """
     return find_state(opt_state).master_params
 
 
 def working_params(opt_state: Any, policy: Any) -> Any:
-    """The working params implied by ``opt_state``: the master cast to each working dtype."""
+    """The working params implied by ``opt_state``: the master cast to each working dtype.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
+    >>> working_params(state, "mixed_float16")["w"].dtype
+    dtype('float16')
+    """
     return get_policy(policy).cast_params_to_compute(get_master_params(opt_state))
 
 
@@ -304,6 +332,11 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Differentiate this (not the raw loss) and hand the gradients to ``tx.update``.
     ``opt_state`` may be the :class:`MixedPrecisionState` itself or any tree containing it,
     such as flax's ``TrainState.opt_state``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
+    >>> float(scale_loss(jnp.float16(0.5), state))
+    32768.0
     """
     loss = jnp.asarray(loss)
     if loss.ndim != 0:

@@ -37,7 +37,12 @@ def replicate(tree: Any, devices: list | None = None) -> Any:
 
 
 def unreplicate(tree: Any) -> Any:
-    """Takes the first device's copy of a replicated tree."""
+    """Takes the first device's copy of a replicated tree.
+
+    >>> import jax.numpy as jnp
+    >>> unreplicate(replicate({"w": jnp.ones(3)}))["w"].shape
+    (3,)
+    """
     return jax.tree.map(lambda x: x[0], tree)
 
 
@@ -57,6 +62,9 @@ def batch_sharding(mesh: Mesh | None = None, axis_name: str = "batch") -> NamedS
     """A ``NamedSharding`` that splits the leading axis over ``axis_name`` of ``mesh``.
 
     The default mesh is every device on one axis named ``axis_name``.
+
+    >>> batch_sharding().spec
+    P('batch',)
     """
     if mesh is None:
         mesh = Mesh(np.array(jax.devices()), (axis_name,))
@@ -64,7 +72,13 @@ def batch_sharding(mesh: Mesh | None = None, axis_name: str = "batch") -> NamedS
 
 
 def put_sharded(batch: Any, sharding: NamedSharding | None = None) -> Any:
-    """``jax.device_put`` of a batch split along its leading axis, with a clear error first."""
+    """``jax.device_put`` of a batch split along its leading axis, with a clear error first.
+
+    >>> import numpy as np
+    >>> x = put_sharded({"x": np.zeros((16, 3))})["x"]
+    >>> x.shape, len(x.sharding.device_set) == jax.device_count()
+    ((16, 3), True)
+    """
     sharding = sharding if sharding is not None else batch_sharding()
     spec = sharding.spec[0] if sharding.spec else None
     names = (spec,) if isinstance(spec, str) else tuple(spec or ())

@@ -207,6 +207,10 @@ def resolve_auto(device: Any = None) -> str:
     * TPU, and GPUs with compute capability >= 8.0 (Ampere and later): ``mixed_bfloat16``;
     * older GPUs: ``mixed_float16`` (with dynamic loss scaling);
     * CPU: ``float32``, because XLA:CPU upcasts bf16 and runs it slower (see the README).
+
+    >>> import jax
+    >>> resolve_auto(jax.devices("cpu")[0])
+    'float32'
     """
     device = device if device is not None else jax.local_devices()[0]
     platform = device.platform.lower()

@@ -41,7 +41,14 @@ __all__ = ["TrainState", "make_train_step", "policy_of"]
 
 
 def policy_of(tx: optax.GradientTransformation) -> Policy | None:
-    """The policy a :func:`jaxamp.mixed_precision` transform was built with, else ``None``."""
+    """The policy a :func:`jaxamp.mixed_precision` transform was built with, else ``None``.
+
+    >>> import optax, jaxamp
+    >>> str(policy_of(jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")))
+    'p=f32,c=f16,o=f32'
+    >>> policy_of(optax.sgd(0.1)) is None
+    True
+    """
     return getattr(tx.update, "jaxamp_policy", None)
 
 
@@ -58,6 +65,12 @@ class TrainState:
       rng: a base PRNG key (folded with ``step`` each step), or ``None``.
       tx: the optimizer (static).
       policy: the precision policy (static).
+
+    >>> import jax.numpy as jnp, optax, jaxamp
+    >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+    >>> state = TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
+    >>> int(state.step), float(state.loss_scale), state.master_params["w"].dtype
+    (0, 65536.0, dtype('float32'))
     """
 
     step: jax.Array
