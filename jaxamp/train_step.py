@@ -105,6 +105,10 @@ class TrainState:
                                                                policy.overrides):
             raise ValueError(f"policy {policy} differs from the policy {tx_policy} that tx was "
                              "built with; pass the same policy to both, or omit it here")
+        if tx_policy is None and policy.is_mixed:
+            raise ValueError(f"policy {policy} keeps a master copy in {policy.param_dtype} but tx "
+                             "is a plain optax transform; wrap it: "
+                             "jaxamp.mixed_precision(tx, policy)")
         opt_state = tx.init(policy.cast_to_param(params))
         return cls(step=jnp.zeros((), jnp.int32), params=policy.cast_params_to_compute(params),
                    opt_state=opt_state, model_state=model_state, rng=rng, tx=tx, policy=policy)

@@ -626,3 +626,27 @@ def test_promotion_warning_can_be_turned_off_and_is_silent_in_fp32():
     assert _trace_and_collect_warnings(promoting_loss, "mixed_bfloat16",
                                        warn_fp32_matmuls=False) == []
     assert _trace_and_collect_warnings(promoting_loss, "float32") == []
+
+
+def test_a_mixed_policy_needs_a_mixed_precision_transform():
+    with pytest.raises(ValueError, match="mixed_precision"):
+        jaxamp.TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                                 policy="mixed_bfloat16")
+
+
+def test_a_plain_optax_transform_trains_in_float32_and_skips_non_finite_steps():
+    state = jaxamp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    step = jax.jit(jaxamp.make_train_step(loss_fn))
+    batch = {"x": jnp.ones((4, 3)), "y": jnp.zeros(4)}
+    state, m = step(state, batch)
+    assert bool(m["grads_finite"]) and float(m["loss_scale"]) == 1.0
+    np.testing.assert_allclose(state.params["w"], 1.0 - 0.1 * 2 * 3.0, rtol=1e-6)
+    before = state
+    state, m = step(state, {"x": batch["x"].at[0, 0].set(jnp.inf), "y": batch["y"]})
+    assert not bool(m["grads_finite"])
+    assert_tree_bitwise_equal(state.params, before.params)
+    assert_tree_bitwise_equal(state.opt_state, before.opt_state)
