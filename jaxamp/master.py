@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -31,6 +32,7 @@ from jaxamp.loss_scale import LossScale
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.policy import get_policy
+from jaxamp.policy import tree_path_str
 
 __all__ = [
     "MixedPrecisionState",
@@ -39,7 +41,9 @@ __all__ = [
     "get_loss_scale",
     "get_master_params",
     "scale_loss",
+    "GradStats",
     "grad_stats",
+    "nonfinite_leaf_path",
     "working_params",
 ]
 
@@ -64,6 +68,8 @@ class MixedPrecisionState(NamedTuple):
       grads_finite: bool, whether the last update's gradients were all finite.
       grad_norm: fp32 global L2 norm of the last update's unscaled gradients.
       nonfinite_leaves: int32 number of gradient leaves holding an inf or nan at the last update.
+      first_nonfinite_leaf: int32 index (tree order, floating leaves) of the first of them, or
+        -1; :func:`nonfinite_leaf_path` gives its path.
     """
 
     master_params: Any
@@ -74,43 +80,84 @@ class MixedPrecisionState(NamedTuple):
     grads_finite: jax.Array
     grad_norm: jax.Array
     nonfinite_leaves: jax.Array
+    first_nonfinite_leaf: jax.Array
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < _INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
-def grad_stats(grads: Any, scale: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns ``(all_finite, global_norm, nonfinite_leaves)`` from one pass over ``grads``.
+class GradStats(NamedTuple):
+    """What one pass over the gradients tells: see :func:`grad_stats`."""
+
+    finite: jax.Array
+    norm: jax.Array
+    nonfinite_leaves: jax.Array
+    first_nonfinite_leaf: jax.Array
+
+
+def _floating_leaves_with_path(tree: Any) -> list[tuple[Any, Any]]:
+    return [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def grad_stats(grads: Any, scale: Any = None) -> GradStats:
+    """``(finite, norm, nonfinite_leaves, first_nonfinite_leaf)`` from one pass over ``grads``.
 
     ``grads`` may be in any floating dtype and may still be multiplied by a loss ``scale``: the
     sums of squares are accumulated in fp32 and the norm is divided by ``scale``. A leaf is
     non-finite when its sum of squares is inf or nan: exactly when it holds an inf or nan, or
     when its (scaled) norm exceeds ~1.8e19, which is treated as an overflow too. One reduction
-    that reads each gradient once serves the check, the norm and the per-leaf count.
+    that reads each gradient once serves the check, the norm and the per-leaf diagnosis.
+    ``first_nonfinite_leaf`` is the index of the first non-finite floating leaf in tree order
+    (-1 when all are finite); :func:`nonfinite_leaf_path` maps it back to its path.
 
     >>> import jax.numpy as jnp
-    >>> ok, norm, bad = grad_stats({"a": jnp.array([3.0, 4.0]), "b": jnp.array([jnp.nan])})
-    >>> bool(ok), int(bad)
-    (False, 1)
-    >>> float(grad_stats({"a": jnp.array([30.0, 40.0])}, scale=10.0)[1])
+    >>> ok, norm, bad, first = grad_stats({"a": jnp.array([3.0, 4.0]), "b": jnp.array([jnp.nan])})
+    >>> bool(ok), int(bad), int(first)
+    (False, 1, 1)
+    >>> float(grad_stats({"a": jnp.array([30.0, 40.0])}, scale=10.0).norm)
     5.0
     """
-    leaves = [x for x in jax.tree.leaves(grads) if jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = [x for _, x in _floating_leaves_with_path(grads)]
     if not leaves:
-        return jnp.array(True), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        return GradStats(jnp.array(True), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32),
+                         jnp.full((), -1, jnp.int32))
     # A dot with fp32 accumulation reads each leaf once in its own dtype; on XLA:CPU a
     # convert-square-sum materialises an fp32 copy of the gradients first. fp16 inputs are
     # multiplied in fp32, so squares of large scaled fp16 gradients do not overflow.
     sumsq = jnp.stack([jnp.dot(x.ravel(), x.ravel(), preferred_element_type=jnp.float32)
                        for x in leaves])
     total = jnp.sum(sumsq)
-    finite = jnp.isfinite(total)
-    nonfinite = jnp.sum(~jnp.isfinite(sumsq)).astype(jnp.int32)
+    bad = ~jnp.isfinite(sumsq)
     norm = jnp.sqrt(total)
     if scale is not None:
         norm = norm / jnp.asarray(scale, jnp.float32)
-    return finite, norm.astype(jnp.float32), nonfinite
+    first = jnp.where(bad.any(), jnp.argmax(bad), -1).astype(jnp.int32)
+    return GradStats(jnp.isfinite(total), norm.astype(jnp.float32),
+                     jnp.sum(bad).astype(jnp.int32), first)
+
+
+def nonfinite_leaf_path(tree: Any, index: Any) -> str | None:
+    """Maps ``first_nonfinite_leaf`` (from metrics or the optimizer state) to a tree path.
+
+    ``tree`` is anything with the params' structure (the params, the master, the grads).
+    Returns ``None`` for -1 (all finite). Host-side: call it on a fetched value.
+
+    >>> nonfinite_leaf_path({"dense": {"bias": 0.0, "kernel": 0.0}}, 1)
+    'dense/kernel'
+    >>> nonfinite_leaf_path({"w": 0.0}, -1) is None
+    True
+    """
+    index = int(np.asarray(index).reshape(-1)[0])
+    if index < 0:
+        return None
+    leaves = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if not hasattr(x, "dtype") or jnp.issubdtype(x.dtype, jnp.floating)]
+    if index >= len(leaves):
+        raise ValueError(f"leaf index {index} is out of range for a tree with {len(leaves)} "
+                         "floating leaves; pass the params the step was run with")
+    return tree_path_str(leaves[index][0])
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -195,6 +242,7 @@ def mixed_precision(
             grads_finite=jnp.array(True),
             grad_norm=jnp.zeros((), jnp.float32),
             nonfinite_leaves=jnp.zeros((), jnp.int32),
+            first_nonfinite_leaf=jnp.full((), -1, jnp.int32),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -205,7 +253,7 @@ def mixed_precision(
         scale = state.loss_scale
         # 3 first: one reduction over the still-scaled grads gives the finite check, the norm
         # and the count of non-finite leaves. It reads each gradient once, in its own dtype.
-        finite, norm, nonfinite = grad_stats(updates, scale.loss_scale)
+        finite, norm, nonfinite, first_bad = grad_stats(updates, scale.loss_scale)
 
         # Leaves whose working dtype is the master dtype get their update from inside the cond
         # (and the master is stored as m + update); the others get the difference to the cast
@@ -257,6 +305,7 @@ def mixed_precision(
             grads_finite=finite,
             grad_norm=norm.astype(jnp.float32),
             nonfinite_leaves=nonfinite,
+            first_nonfinite_leaf=first_bad,
         )
         return new_updates, new_state
 

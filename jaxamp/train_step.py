@@ -29,7 +29,7 @@ from flax import struct
 from jax import lax
 from jax.typing import DTypeLike
 
-from jaxamp import _jaxpr
+from jaxamp import auditing as _audit
 from jaxamp.master import MixedPrecisionState
 from jaxamp.master import _select
 from jaxamp.master import find_state
@@ -208,7 +208,9 @@ def make_train_step(
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
-    ``grad_norm`` (of the unscaled, averaged gradients), ``nonfinite_leaves``.
+    ``grad_norm`` (of the unscaled, averaged gradients), ``nonfinite_leaves`` and
+    ``first_nonfinite_leaf`` (-1, or the index that :func:`jaxamp.nonfinite_leaf_path` maps to
+    the offending param's path).
 
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> def loss_fn(params, batch):
@@ -298,12 +300,13 @@ def make_train_step(
         if mp is not None:
             _, opt_state = state.tx.update(grads, state.opt_state, state.params)
             new_mp = find_state(opt_state)
-            finite, norm, nonfinite = (new_mp.grads_finite, new_mp.grad_norm,
-                                       new_mp.nonfinite_leaves)
+            finite, norm, nonfinite, first_bad = (
+                new_mp.grads_finite, new_mp.grad_norm, new_mp.nonfinite_leaves,
+                new_mp.first_nonfinite_leaf)
             skipped = new_mp.skipped_steps
             params = policy.cast_params_to_compute(new_mp.master_params)
         else:
-            finite, norm, nonfinite = grad_stats(jax.tree.map(
+            finite, norm, nonfinite, first_bad = grad_stats(jax.tree.map(
                 lambda g: g.astype(jnp.float32), grads))
             updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
             params = _select(finite, optax.apply_updates(state.params, updates), state.params)
@@ -320,6 +323,7 @@ def make_train_step(
             "skipped_steps": skipped,
             "grad_norm": norm,
             "nonfinite_leaves": nonfinite,
+            "first_nonfinite_leaf": first_bad,
         }
         if has_aux:
             metrics["aux"] = aux
@@ -342,7 +346,12 @@ def _check_axis_bound(axis_name: str) -> None:
 
 def _warn_fp32_matmuls(scaled_loss: Callable, params: Any, policy: Policy) -> None:
     jaxpr = jax.make_jaxpr(lambda p: scaled_loss(p)[0])(params)
-    total, sites = _jaxpr.fp32_matmul_sites(jaxpr)
+    matmuls = [(eqn, where) for eqn, _ in _audit.walk(jaxpr)
+               if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+               for where in [_audit.where(eqn)]]
+    total = len(matmuls)
+    sites = [f"{eqn.primitive.name} at {where}" for eqn, where in matmuls
+             if any(getattr(v.aval, "dtype", None) == jnp.float32 for v in eqn.invars)]
     if sites:
         shown = "; ".join(sites[:5]) + (" ..." if len(sites) > 5 else "")
         warnings.warn(

@@ -1,0 +1,431 @@
+"""The precision audit: which dtype every matmul really runs in, and what is saved for backward.
+
+``audit(fn, *args)`` traces ``fn`` to a jaxpr and walks every nested jaxpr (pjit, scan, while,
+cond, custom_jvp, custom_vjp, remat, shard_map, pmap). ``audit_grad`` does the same for the
+gradient. The report holds:
+
+* matmul and convolution FLOPs (``dot_general``, ``conv_general_dilated``) by operand dtypes and
+  by output dtype, as totals and shares;
+* every matmul/conv with an fp32 operand, with its source line, shape and FLOPs, largest first;
+* the precision-sensitive ops (exp, log, sums, norms statistics) that run in half precision;
+* the activation bytes saved for the backward pass, by dtype (arguments excluded);
+* the casts (``convert_element_type``): count and bytes moved, by source and target dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as _core  # Literal: jaxpr constants (no public alias in 0.10)
+
+__all__ = ["AuditReport", "MatmulSite", "OpSite", "audit", "audit_grad"]
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Ops that mixed-precision rules keep in fp32 (PyTorch autocast's fp32 list, in primitives).
+_SENSITIVE = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "reduce_sum", "cumsum",
+              "cumlogsumexp", "rsqrt", "sqrt", "pow", "reduce_prod", "erf_inv")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulSite:
+    """One matmul or convolution equation."""
+
+    primitive: str
+    lhs: str
+    rhs: str
+    out: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    flops: float
+    where: str
+    name_stack: str
+    fp32_source: str = ""  # for fp32 matmuls: the scope that produced the fp32 operand
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSite:
+    """A precision-sensitive op running in half precision."""
+
+    primitive: str
+    dtype: str
+    shape: tuple[int, ...]
+    count: float
+    where: str
+
+
+def _dtype_name(aval: Any) -> str:
+    return jnp.dtype(aval.dtype).name if hasattr(aval, "dtype") else str(aval)
+
+
+def _nbytes(aval: Any) -> int:
+    if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        return 0
+    try:
+        return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return 0
+
+
+def where(eqn: Any) -> str:
+    """``file:line (function)`` of the user code that emitted ``eqn``."""
+    try:
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # noqa: BLE001 - source info is best effort
+        return "<unknown>"
+
+
+def _name_stack(eqn: Any) -> str:
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def scope(eqn: Any) -> str:
+    """The user's name scope of ``eqn`` without JAX's transform wrappers; ``" [backward]"`` is
+    appended for equations of a transposed (backward) pass. Empty when there is no scope."""
+    raw = _name_stack(eqn)
+    backward = "transpose(" in raw
+    parts = [p for p in re.split(r"[()/]", raw)
+             if p and p not in ("jvp", "transpose", "vmap", "pjit", "jit", "checkpoint",
+                                "remat", "rematted_computation")]
+    if not parts:
+        return ""
+    return "/".join(parts) + (" [backward]" if backward else "")
+
+
+def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
+    """2 × batch × lhs-free × rhs-free × contracting, for ``lax.dot_general``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    batch = math.prod(lhs_shape[d] for d in lb)
+    contract = math.prod(lhs_shape[d] for d in lc)
+    lhs_free = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb)
+    rhs_free = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
+    return 2.0 * batch * lhs_free * rhs_free * contract
+
+
+def conv_flops(rhs_shape, out_shape, dimension_numbers) -> float:
+    """2 × output elements × kernel input features (already per group) × kernel window."""
+    rhs_spec = dimension_numbers.rhs_spec
+    in_features = rhs_shape[rhs_spec[1]]
+    window = math.prod(rhs_shape[d] for d in rhs_spec[2:])
+    return 2.0 * math.prod(out_shape) * in_features * window
+
+
+def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
+    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``."""
+    name = eqn.primitive.name
+    params = eqn.params
+    mult = 1.0
+    if name == "scan":
+        mult = float(params.get("length", 1))
+    elif name in ("xla_pmap", "pmap"):
+        mult = float(params.get("axis_size", 1))
+    elif name == "shard_map":
+        mesh = params.get("mesh")
+        mult = float(getattr(mesh, "size", 1) or 1)
+    if name == "cond":
+        # Count each branch once; a report shows the upper bound over branches.
+        for branch in params.get("branches", ()):
+            yield getattr(branch, "jaxpr", branch), 1.0
+        return
+    if name == "custom_vjp_call" or name == "custom_vjp_call_jaxpr":
+        # The primal function only; the bwd rule runs under the gradient.
+        for key in ("call_jaxpr", "fun_jaxpr"):
+            if key in params:
+                yield getattr(params[key], "jaxpr", params[key]), 1.0
+                return
+    for value in params.values():
+        yield from ((j, mult) for j in _jaxprs_in(value))
+
+
+def _jaxprs_in(value: Any) -> Iterator[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _jaxprs_in(item)
+
+
+def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
+    """Yields ``(eqn, multiplicity)`` for every equation, nested ones included.
+
+    A ``scan`` body counts ``length`` times; a ``while`` body once (its trip count is unknown
+    at trace time); a ``cond`` counts every branch.
+    """
+    for eqn, m, _ in _walk_levels(jaxpr, mult):
+        yield eqn, m
+
+
+def _walk_levels(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float, dict]]:
+    """Like :func:`walk`, with the map from each variable to the equation producing it."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    producers: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producers[v] = eqn
+    for eqn in jaxpr.eqns:
+        yield eqn, mult, producers
+        for sub, m in _sub_jaxprs(eqn):
+            yield from _walk_levels(sub, mult * m)
+
+
+# Ops that move or reshape data without deciding its dtype: looked through to find where an
+# fp32 matmul operand really comes from.
+_TRANSPARENT = ("reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "copy",
+                "copy_p", "slice", "dynamic_slice", "concatenate", "pad", "select_n", "rev")
+
+
+def _fp32_source(var: Any, producers: dict) -> str | None:
+    """Where an fp32 operand comes from: the name scope (or source line) of the op that made it
+    fp32, or ``None`` when it was promoted from half precision by a convert (a victim, not a
+    cause), or ``"input"`` when it enters the traced function (or the nested jaxpr) as fp32."""
+    for _ in range(32):
+        if isinstance(var, _core.Literal):
+            return "constant"
+        eqn = producers.get(var)
+        if eqn is None:
+            return "input"
+        name = eqn.primitive.name
+        if name == "convert_element_type":
+            src = eqn.invars[0].aval
+            if jnp.dtype(src.dtype) in _HALF:
+                return None
+            var = eqn.invars[0]
+            continue
+        if name in _TRANSPARENT and eqn.invars:
+            var = eqn.invars[0]
+            continue
+        return scope(eqn) or where(eqn)
+    return None
+
+
+def _saved_residuals(fn: Callable, args: tuple, kwargs: dict) -> dict[str, int]:
+    from jax._src import ad_checkpoint
+    by_dtype: dict[str, int] = defaultdict(int)
+    try:
+        residuals = ad_checkpoint.saved_residuals(fn, *args, **kwargs)
+    except Exception:  # noqa: BLE001 - e.g. non-differentiable inputs only
+        return {}
+    for aval, description in residuals:
+        if "from the argument" in description:
+            continue
+        by_dtype[_dtype_name(aval)] += _nbytes(aval)
+    return dict(by_dtype)
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """What :func:`audit` found. ``to_dict()`` gives plain Python for tests and logs."""
+
+    title: str
+    matmul_flops_by_operands: dict[str, float]
+    matmul_flops_by_output: dict[str, float]
+    fp32_matmuls: list[MatmulSite]
+    half_sensitive_ops: list[OpSite]
+    saved_bytes_by_dtype: dict[str, int]
+    casts: dict[str, dict[str, float]]
+    matmuls: list[MatmulSite]
+
+    @property
+    def total_matmul_flops(self) -> float:
+        return float(sum(self.matmul_flops_by_operands.values()))
+
+    def share(self, operands: str) -> float:
+        """The share of matmul FLOPs whose operands are ``operands`` (``'bfloat16'``, or
+        ``'float32'``; a mixed pair is written ``'bfloat16 x float32'``)."""
+        total = self.total_matmul_flops
+        return self.matmul_flops_by_operands.get(operands, 0.0) / total if total else 0.0
+
+    @property
+    def fp32_matmul_share(self) -> float:
+        """Share of matmul FLOPs with at least one fp32 operand."""
+        total = self.total_matmul_flops
+        fp32 = sum(s.flops for s in self.matmuls if "float32" in (s.lhs, s.rhs))
+        return fp32 / total if total else 0.0
+
+    @property
+    def fp32_sources(self) -> dict[str, float]:
+        """FLOPs of fp32 matmuls by the scope that made their fp32 operand (for example a
+        LayerNorm computing in fp32), largest first: where to fix a promotion."""
+        out: dict[str, float] = defaultdict(float)
+        for s in self.fp32_matmuls:
+            for source in (s.fp32_source.split(", ") if s.fp32_source else ["(unknown)"]):
+                out[source] += s.flops
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def saved_bytes(self) -> int:
+        return int(sum(self.saved_bytes_by_dtype.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "total_matmul_flops": self.total_matmul_flops,
+            "matmul_flops_by_operands": dict(self.matmul_flops_by_operands),
+            "matmul_flops_by_output": dict(self.matmul_flops_by_output),
+            "fp32_matmul_share": self.fp32_matmul_share,
+            "fp32_matmuls": [dataclasses.asdict(s) for s in self.fp32_matmuls],
+            "fp32_sources": self.fp32_sources,
+            "half_sensitive_ops": [dataclasses.asdict(s) for s in self.half_sensitive_ops],
+            "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
+            "saved_bytes": self.saved_bytes,
+            "casts": {k: dict(v) for k, v in self.casts.items()},
+        }
+
+    def _rows(self) -> list[tuple[str, list[tuple[str, ...]]]]:
+        total = self.total_matmul_flops or 1.0
+        sections: list[tuple[str, list[tuple[str, ...]]]] = [
+            ("matmul/conv FLOPs by operand dtypes", [
+                (k, f"{v / 1e9:.3f} GFLOP", f"{100 * v / total:.1f}%")
+                for k, v in sorted(self.matmul_flops_by_operands.items(), key=lambda kv: -kv[1])]),
+            ("matmul/conv FLOPs by output dtype", [
+                (k, f"{v / 1e9:.3f} GFLOP", f"{100 * v / total:.1f}%")
+                for k, v in sorted(self.matmul_flops_by_output.items(), key=lambda kv: -kv[1])]),
+            ("where the fp32 operands of fp32 matmuls come from", [
+                (k, f"{v / 1e9:.3f} GFLOP", f"{100 * v / total:.1f}%")
+                for k, v in list(self.fp32_sources.items())[:15]]),
+            ("matmuls with an fp32 operand (largest first)", [
+                (s.primitive, s.name_stack or "-",
+                 f"{s.lhs}{list(s.lhs_shape)} x {s.rhs}{list(s.rhs_shape)}",
+                 f"{s.flops / 1e6:.1f} MFLOP", s.where) for s in self.fp32_matmuls[:15]]),
+            ("fp32-preferred ops running in half precision", [
+                (s.primitive, f"{s.dtype}{list(s.shape)}", f"x{s.count:g}", s.where)
+                for s in self.half_sensitive_ops[:15]]),
+            ("activation bytes saved for backward", [
+                (k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.saved_bytes_by_dtype.items())]
+             + [("total", f"{self.saved_bytes / 1e6:.3f} MB")]),
+            ("casts (convert_element_type)", [
+                (k, f"{v['count']:g}", f"{v['bytes'] / 1e6:.3f} MB")
+                for k, v in sorted(self.casts.items(), key=lambda kv: -kv[1]["bytes"])]),
+        ]
+        return sections
+
+    def __str__(self) -> str:
+        lines = [f"jaxamp precision audit: {self.title}",
+                 f"  total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
+                 f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand"]
+        for heading, rows in self._rows():
+            lines.append(f"  {heading}:")
+            if not rows:
+                lines.append("    (none)")
+            for row in rows:
+                lines.append("    " + "  ".join(row))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        parts = [f"<h4>jaxamp precision audit: {html.escape(self.title)}</h4>",
+                 f"<p>total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
+                 f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand</p>"]
+        for heading, rows in self._rows():
+            parts.append(f"<b>{html.escape(heading)}</b><table>")
+            for row in rows or [("(none)",)]:
+                parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row)
+                             + "</tr>")
+            parts.append("</table>")
+        return "".join(parts)
+
+
+def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
+    by_operands: dict[str, float] = defaultdict(float)
+    by_output: dict[str, float] = defaultdict(float)
+    matmuls: list[MatmulSite] = []
+    sensitive: dict[tuple, float] = defaultdict(float)
+    casts: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
+    for eqn, mult, producers in _walk_levels(jaxpr):
+        name = eqn.primitive.name
+        if name in ("dot_general", "conv_general_dilated"):
+            lhs, rhs = (v.aval for v in eqn.invars[:2])
+            out = eqn.outvars[0].aval
+            if name == "dot_general":
+                flops = dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+            else:
+                flops = conv_flops(rhs.shape, out.shape, eqn.params["dimension_numbers"])
+            flops *= mult
+            lhs_t, rhs_t = _dtype_name(lhs), _dtype_name(rhs)
+            key = lhs_t if lhs_t == rhs_t else " x ".join(sorted((lhs_t, rhs_t)))
+            by_operands[key] += flops
+            by_output[_dtype_name(out)] += flops
+            sources = ""
+            if "float32" in (lhs_t, rhs_t):
+                found = {_fp32_source(v, producers) for v in eqn.invars[:2]
+                         if _dtype_name(v.aval) == "float32"}
+                sources = ", ".join(sorted(s for s in found if s))
+            matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),
+                                      tuple(rhs.shape), flops, where(eqn), scope(eqn),
+                                      sources))
+        elif name in _SENSITIVE:
+            avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]
+            if avals and any(jnp.dtype(a.dtype) in _HALF for a in avals):
+                a = avals[0]
+                sensitive[(name, _dtype_name(a), tuple(a.shape), where(eqn))] += mult
+        elif name == "convert_element_type":
+            src, dst = eqn.invars[0].aval, eqn.outvars[0].aval
+            entry = casts[f"{_dtype_name(src)} -> {_dtype_name(dst)}"]
+            entry["count"] += mult
+            entry["bytes"] += mult * (_nbytes(src) + _nbytes(dst))
+    fp32 = sorted((s for s in matmuls if "float32" in (s.lhs, s.rhs)), key=lambda s: -s.flops)
+    ops = [OpSite(n, d, s, c, w) for (n, d, s, w), c in sensitive.items()]
+    return AuditReport(title, dict(by_operands), dict(by_output), fp32, ops, saved,
+                       dict(casts), matmuls)
+
+
+def _title(fn: Callable, suffix: str = "") -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return name + suffix
+
+
+def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
+    """Audits the precision of ``fn(*args, **kwargs)`` (its forward pass).
+
+    Works on any JAX-traceable callable: a plain jnp function, a Flax NNX module call, a Linen
+    ``apply``, or a train step from :func:`jaxamp.make_train_step` (whose jaxpr holds the
+    backward pass too). ``saved_bytes_by_dtype`` are the residuals that differentiating ``fn``
+    with respect to its arguments would keep.
+
+    >>> import jax.numpy as jnp
+    >>> r = audit(lambda w, x: x @ w, jnp.ones((8, 4), jnp.bfloat16), jnp.ones((2, 8)))
+    >>> r.total_matmul_flops, r.matmul_flops_by_operands
+    (128.0, {'bfloat16 x float32': 128.0})
+    """
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
+
+
+def _scalar_of(out: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(out)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        raise ValueError("audit_grad needs fn to return at least one floating array")
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in leaves)  # type: ignore[return-value]
+
+
+def audit_grad(fn: Callable, *args: Any, argnums: int | tuple[int, ...] = 0,
+               **kwargs: Any) -> AuditReport:
+    """Audits the forward *and* backward pass: ``jax.value_and_grad`` of ``fn``.
+
+    A non-scalar output is reduced to the sum of its floating leaves (a cotangent of ones), so
+    a model call can be audited as it is.
+
+    >>> import jax.numpy as jnp
+    >>> w, x = jnp.ones((8, 4)), jnp.ones((2, 8))
+    >>> audit_grad(lambda w, x: x @ w, w, x).total_matmul_flops  # forward + dW
+    256.0
+    """
+    def scalar(*a):
+        return _scalar_of(fn(*a, **kwargs))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(scalar, argnums=argnums))(*args)
+    return _report(_title(fn, " (value and grad)"), jaxpr, _saved_residuals(scalar, args, {}))

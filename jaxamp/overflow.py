@@ -1,0 +1,181 @@
+"""Overflow diagnostics: ``explain_overflow`` re-runs one step, op by op, outside the fast path.
+
+The fast path only says *that* a step's gradients were non-finite (and which param leaf, see
+``metrics["first_nonfinite_leaf"]``). ``explain_overflow(state, batch, loss_fn)`` evaluates the
+scaled loss and its gradient equation by equation, eagerly, and records where the first inf or
+nan appears in each layer (its name scope, or else its source line), in forward order and then
+in backward order, plus every param whose gradient is non-finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp import auditing as _audit
+from jaxamp.policy import tree_path_str
+from jaxamp.train_step import _maybe_state
+from jaxamp.train_step import _split_outputs
+
+__all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
+
+# Call-like primitives whose body is evaluated inline, so that the ops inside are checked.
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowEvent:
+    """The first non-finite value produced inside one layer."""
+
+    phase: str  # "forward" or "backward"
+    layer: str  # the name scope, or the source line when there is none
+    primitive: str
+    where: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str  # "inf", "nan" or "inf+nan"
+
+
+@dataclasses.dataclass
+class OverflowReport:
+    """What :func:`explain_overflow` found."""
+
+    events: list[OverflowEvent]
+    nonfinite_grads: list[str]
+    loss: float
+    loss_scale: float
+
+    @property
+    def first_forward(self) -> OverflowEvent | None:
+        return next((e for e in self.events if e.phase == "forward"), None)
+
+    @property
+    def first_backward(self) -> OverflowEvent | None:
+        return next((e for e in self.events if e.phase == "backward"), None)
+
+    def __str__(self) -> str:
+        lines = [f"jaxamp overflow report: loss {self.loss:g} at loss scale {self.loss_scale:g}"]
+        if not self.events:
+            lines.append("  every activation and gradient is finite")
+        for e in self.events:
+            lines.append(f"  {e.phase:8s} {e.layer}: {e.kind} from {e.primitive} "
+                         f"{e.dtype}{list(e.shape)} at {e.where}")
+        if self.nonfinite_grads:
+            lines.append("  non-finite gradients: " + ", ".join(self.nonfinite_grads))
+        return "\n".join(lines)
+
+
+def _kind(x: Any) -> str | None:
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+        return None
+    x = np.asarray(x)
+    has_nan, has_inf = bool(np.isnan(x).any()), bool(np.isinf(x).any())
+    if not (has_nan or has_inf):
+        return None
+    return "inf+nan" if has_nan and has_inf else ("nan" if has_nan else "inf")
+
+
+def _layer(eqn: Any) -> str:
+    return _audit.scope(eqn).removesuffix(" [backward]") or _audit.where(eqn)
+
+
+def _evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable) -> list:
+    from jax._src import core  # eval_jaxpr's own building blocks
+
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        key = _INLINE.get(eqn.primitive.name)
+        body = eqn.params.get(key) if key else None
+        if body is not None:
+            inner = getattr(body, "jaxpr", body)
+            outs = _evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            on_eqn(eqn, outs)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool = False,
+                     has_model_state: bool = False, has_rng: bool = False) -> OverflowReport:
+    """Re-runs one step of ``loss_fn`` eagerly and reports where inf or nan first appear.
+
+    Takes the same ``loss_fn`` and flags as :func:`jaxamp.make_train_step`, a
+    :class:`jaxamp.TrainState` and one (unsharded) batch. The loss is scaled by the state's
+    current loss scale, as in the step, so fp16 overflows caused by the scale show up.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> def loss_fn(params, batch):
+    ...     with jax.named_scope("layer1"):
+    ...         h = batch["x"] @ params["w1"]
+    ...     with jax.named_scope("layer2"):
+    ...         h = jnp.exp(h) @ params["w2"]
+    ...     return jnp.mean(h.astype(jnp.float32))
+    >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+    >>> state = jaxamp.TrainState.create(
+    ...     params={"w1": jnp.full((4, 4), 4.0), "w2": jnp.ones((4, 1))}, tx=tx)
+    >>> report = explain_overflow(state, {"x": jnp.ones((2, 4))}, loss_fn)
+    >>> report.first_forward.layer, report.first_forward.primitive
+    ('layer2', 'exp')
+    """
+    policy = state.policy
+    mp = _maybe_state(state.opt_state)
+    scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+    batch = policy.cast_to_compute(batch)
+    kwargs: dict[str, Any] = {}
+    if has_model_state:
+        kwargs["model_state"] = state.model_state
+    if has_rng:
+        kwargs["rng"] = jax.random.fold_in(state.rng, state.step)
+
+    def scaled_loss(params):
+        loss, _, _ = _split_outputs(loss_fn(params, batch, **kwargs), has_aux, has_model_state)
+        loss = jnp.asarray(loss).astype(jnp.float32)
+        return loss * scale, loss
+
+    closed = jax.make_jaxpr(jax.value_and_grad(scaled_loss, has_aux=True))(state.params)
+    events: list[OverflowEvent] = []
+    seen: set[tuple[str, str]] = set()
+
+    def on_eqn(eqn, outs):
+        for out in outs:
+            kind = _kind(out)
+            if kind is None:
+                continue
+            phase = "backward" if "transpose" in _audit._name_stack(eqn) else "forward"
+            layer = _layer(eqn)
+            if (phase, layer) in seen:
+                return
+            seen.add((phase, layer))
+            events.append(OverflowEvent(phase, layer, eqn.primitive.name, _audit.where(eqn),
+                                        jnp.dtype(out.dtype).name, tuple(out.shape), kind))
+            return
+
+    leaves = jax.tree.leaves(state.params)
+    outs = _evaluate(closed.jaxpr, list(closed.consts), leaves, on_eqn)
+    out_tree = jax.tree.structure(((0.0, 0.0), state.params))
+    (_, loss), grads = jax.tree.unflatten(out_tree, outs)
+    bad = [tree_path_str(path) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+           if _kind(g) is not None]
+    events.sort(key=lambda e: e.phase != "forward")  # forward first, each in execution order
+    return OverflowReport(events, bad, float(loss), float(scale))
