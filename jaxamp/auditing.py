@@ -306,8 +306,8 @@ class AuditReport:
                 (s.primitive, f"{s.dtype}{list(s.shape)}", f"x{s.count:g}", s.where)
                 for s in self.half_sensitive_ops[:15]]),
             ("activation bytes saved for backward", [
-                (k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.saved_bytes_by_dtype.items())]
-             + [("total", f"{self.saved_bytes / 1e6:.3f} MB")]),
+                *((k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.saved_bytes_by_dtype.items())),
+                ("total", f"{self.saved_bytes / 1e6:.3f} MB")]),
             ("casts (convert_element_type)", [
                 (k, f"{v['count']:g}", f"{v['bytes'] / 1e6:.3f} MB")
                 for k, v in sorted(self.casts.items(), key=lambda kv: -kv[1]["bytes"])]),
