@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import os
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -76,13 +77,25 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
+# Model libraries whose frames are skipped when naming a source line: an nnx.Linear or a Linen
+# Dense is reported at the model's line that called it, not inside the library.
+_LIBRARY_DIRS = tuple(f"{os.sep}{name}{os.sep}" for name in
+                      ("flax", "optax", "equinox", "haiku", "jmp", "penzai"))
+
+
 def where(eqn: Any) -> str:
-    """``file:line (function)`` of the user code that emitted ``eqn``."""
+    """``file:line (function)`` of the user code that emitted ``eqn``: the innermost frame
+    outside JAX and outside model libraries such as flax (falling back to the innermost)."""
     try:
         from jax._src import source_info_util
-        return source_info_util.summarize(eqn.source_info)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
     except Exception:  # noqa: BLE001 - source info is best effort
         return "<unknown>"
+    if not frames:
+        return "<unknown>"
+    frame = next((f for f in frames
+                  if not any(d in f.file_name for d in _LIBRARY_DIRS)), frames[0])
+    return source_info_util._summarize_frame(frame)  # 'file:line:col (function)', as jax
 
 
 def _name_stack(eqn: Any) -> str:
@@ -92,17 +105,37 @@ def _name_stack(eqn: Any) -> str:
         return ""
 
 
-def scope(eqn: Any) -> str:
-    """The user's name scope of ``eqn`` without JAX's transform wrappers; ``" [backward]"`` is
-    appended for equations of a transposed (backward) pass. Empty when there is no scope."""
-    raw = _name_stack(eqn)
-    backward = "transpose(" in raw
-    parts = [p for p in re.split(r"[()/]", raw)
-             if p and p not in ("jvp", "transpose", "vmap", "pjit", "jit", "checkpoint",
-                                "remat", "rematted_computation")]
+def nested_stack(eqn: Any, outer: str = "") -> str:
+    """The raw name stack of ``eqn`` inside a nested jaxpr whose enclosing stack is ``outer``
+    (equations inside a jit or remat body only record the stack relative to that body)."""
+    inner = _name_stack(eqn)
+    return f"{outer}/{inner}" if outer and inner else (outer or inner)
+
+
+def _scope_parts(raw: str) -> list[str]:
+    return [p for p in re.split(r"[()/]", raw)
+            if p and p not in ("jvp", "transpose", "vmap", "pjit", "jit", "checkpoint",
+                               "remat", "remat2", "rematted_computation")]
+
+
+def is_backward(eqn: Any, outer: str = "") -> bool:
+    """Whether ``eqn`` belongs to a transposed (backward) pass."""
+    return "transpose(" in nested_stack(eqn, outer)
+
+
+def scope(eqn: Any, outer: str = "") -> str:
+    """The user's name scope of ``eqn`` (``outer`` is the enclosing stack, see
+    :func:`nested_stack`) without JAX's transform wrappers; ``" [backward]"`` is appended for
+    equations of a backward pass. Empty when there is no scope."""
+    outer_parts, inner_parts = _scope_parts(outer), _scope_parts(_name_stack(eqn))
+    # Some wrappers (flax's remat) re-enter the enclosing scope inside the body: don't repeat it.
+    if inner_parts[:len(outer_parts)] == outer_parts:
+        parts = inner_parts
+    else:
+        parts = outer_parts + inner_parts
     if not parts:
         return ""
-    return "/".join(parts) + (" [backward]" if backward else "")
+    return "/".join(parts) + (" [backward]" if is_backward(eqn, outer) else "")
 
 
 def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
@@ -166,21 +199,23 @@ def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
     A ``scan`` body counts ``length`` times; a ``while`` body once (its trip count is unknown
     at trace time); a ``cond`` counts every branch.
     """
-    for eqn, m, _ in _walk_levels(jaxpr, mult):
+    for eqn, m, _, _ in _walk_levels(jaxpr, mult):
         yield eqn, m
 
 
-def _walk_levels(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float, dict]]:
-    """Like :func:`walk`, with the map from each variable to the equation producing it."""
+def _walk_levels(jaxpr: Any, mult: float = 1.0,
+                 outer: str = "") -> Iterator[tuple[Any, float, dict, str]]:
+    """Like :func:`walk`, with the map from each variable to the equation producing it and the
+    enclosing name stack."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     producers: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.outvars:
             producers[v] = eqn
     for eqn in jaxpr.eqns:
-        yield eqn, mult, producers
+        yield eqn, mult, producers, outer
         for sub, m in _sub_jaxprs(eqn):
-            yield from _walk_levels(sub, mult * m)
+            yield from _walk_levels(sub, mult * m, nested_stack(eqn, outer))
 
 
 # Ops that move or reshape data without deciding its dtype: looked through to find where an
@@ -189,7 +224,7 @@ _TRANSPARENT = ("reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_d
                 "copy_p", "slice", "dynamic_slice", "concatenate", "pad", "select_n", "rev")
 
 
-def _fp32_source(var: Any, producers: dict) -> str | None:
+def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
     """Where an fp32 operand comes from: the name scope (or source line) of the op that made it
     fp32, or ``None`` when it was promoted from half precision by a convert (a victim, not a
     cause), or ``"input"`` when it enters the traced function (or the nested jaxpr) as fp32."""
@@ -209,7 +244,7 @@ def _fp32_source(var: Any, producers: dict) -> str | None:
         if name in _TRANSPARENT and eqn.invars:
             var = eqn.invars[0]
             continue
-        return scope(eqn) or where(eqn)
+        return scope(eqn, outer) or where(eqn)
     return None
 
 
@@ -221,7 +256,8 @@ def _saved_residuals(fn: Callable, args: tuple, kwargs: dict) -> dict[str, int]:
     except Exception:  # noqa: BLE001 - e.g. non-differentiable inputs only
         return {}
     for aval, description in residuals:
-        if "from the argument" in description:
+        # Arguments and closed-over constants (an NNX module's params) are not activations.
+        if description.startswith(("from the argument", "from a constant", "from a literal")):
             continue
         by_dtype[_dtype_name(aval)] += _nbytes(aval)
     return dict(by_dtype)
@@ -345,7 +381,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
     matmuls: list[MatmulSite] = []
     sensitive: dict[tuple, float] = defaultdict(float)
     casts: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
-    for eqn, mult, producers in _walk_levels(jaxpr):
+    for eqn, mult, producers, outer in _walk_levels(jaxpr):
         name = eqn.primitive.name
         if name in ("dot_general", "conv_general_dilated"):
             lhs, rhs = (v.aval for v in eqn.invars[:2])
@@ -361,11 +397,11 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             by_output[_dtype_name(out)] += flops
             sources = ""
             if "float32" in (lhs_t, rhs_t):
-                found = {_fp32_source(v, producers) for v in eqn.invars[:2]
+                found = {_fp32_source(v, producers, outer) for v in eqn.invars[:2]
                          if _dtype_name(v.aval) == "float32"}
                 sources = ", ".join(sorted(s for s in found if s))
             matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),
-                                      tuple(rhs.shape), flops, where(eqn), scope(eqn),
+                                      tuple(rhs.shape), flops, where(eqn), scope(eqn, outer),
                                       sources))
         elif name in _SENSITIVE:
             avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]

@@ -26,7 +26,7 @@ __all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
 
 # Call-like primitives whose body is evaluated inline, so that the ops inside are checked.
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
+           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
            "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
@@ -83,11 +83,11 @@ def _kind(x: Any) -> str | None:
     return "inf+nan" if has_nan and has_inf else ("nan" if has_nan else "inf")
 
 
-def _layer(eqn: Any) -> str:
-    return _audit.scope(eqn).removesuffix(" [backward]") or _audit.where(eqn)
+def _layer(eqn: Any, outer: str) -> str:
+    return _audit.scope(eqn, outer).removesuffix(" [backward]") or _audit.where(eqn)
 
 
-def _evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable) -> list:
+def _evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str = "") -> list:
     from jax._src import core  # eval_jaxpr's own building blocks
 
     env: dict[Any, Any] = {}
@@ -105,12 +105,13 @@ def _evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable) -> list:
         body = eqn.params.get(key) if key else None
         if body is not None:
             inner = getattr(body, "jaxpr", body)
-            outs = _evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn)
+            outs = _evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn,
+                             _audit.nested_stack(eqn, outer))
         else:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
-            on_eqn(eqn, outs)
+            on_eqn(eqn, outs, outer)
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
@@ -157,13 +158,13 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
     events: list[OverflowEvent] = []
     seen: set[tuple[str, str]] = set()
 
-    def on_eqn(eqn, outs):
+    def on_eqn(eqn, outs, outer):
         for out in outs:
             kind = _kind(out)
             if kind is None:
                 continue
-            phase = "backward" if "transpose" in _audit._name_stack(eqn) else "forward"
-            layer = _layer(eqn)
+            phase = "backward" if _audit.is_backward(eqn, outer) else "forward"
+            layer = _layer(eqn, outer)
             if (phase, layer) in seen:
                 return
             seen.add((phase, layer))
