@@ -148,12 +148,39 @@ def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
     return 2.0 * batch * lhs_free * rhs_free * contract
 
 
-def conv_flops(rhs_shape, out_shape, dimension_numbers) -> float:
-    """2 × output elements × kernel input features (already per group) × kernel window."""
-    rhs_spec = dimension_numbers.rhs_spec
+def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
+    """Multiply-adds on real data: 2 × (kernel taps landing on real input elements, summed
+    over the output positions) × batch × output features × kernel input features (per group).
+
+    Taps on padding, or on the zeros that ``lhs_dilation`` inserts (the input gradient of a
+    strided conv), are not counted. So a conv's input gradient and kernel gradient each cost
+    exactly its forward, for any stride and padding; for ``SAME`` padding the figure is below
+    the textbook ``2 × output elements × Cin × kh × kw`` by the taps that fall on padding.
+    """
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    n_spatial = len(rhs_spec) - 2
+    strides = params.get("window_strides") or (1,) * n_spatial
+    padding = params.get("padding") or ((0, 0),) * n_spatial
+    lhs_dil = params.get("lhs_dilation") or (1,) * n_spatial
+    rhs_dil = params.get("rhs_dilation") or (1,) * n_spatial
+    taps = 1
+    for d in range(n_spatial):
+        size = lhs_shape[lhs_spec[2 + d]]
+        dilated = (size - 1) * lhs_dil[d] + 1
+        window = rhs_shape[rhs_spec[2 + d]]
+        lo = padding[d][0]
+        count = 0
+        for o in range(out_shape[out_spec[2 + d]]):
+            for k in range(window):
+                i = o * strides[d] + k * rhs_dil[d] - lo
+                if 0 <= i < dilated and i % lhs_dil[d] == 0:
+                    count += 1
+        taps *= count
+    batch = out_shape[out_spec[0]]
+    out_features = out_shape[out_spec[1]]
     in_features = rhs_shape[rhs_spec[1]]
-    window = math.prod(rhs_shape[d] for d in rhs_spec[2:])
-    return 2.0 * math.prod(out_shape) * in_features * window
+    return 2.0 * taps * batch * out_features * in_features
 
 
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
@@ -389,7 +416,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             if name == "dot_general":
                 flops = dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
             else:
-                flops = conv_flops(rhs.shape, out.shape, eqn.params["dimension_numbers"])
+                flops = conv_flops(lhs.shape, rhs.shape, out.shape, eqn.params)
             flops *= mult
             lhs_t, rhs_t = _dtype_name(lhs), _dtype_name(rhs)
             key = lhs_t if lhs_t == rhs_t else " x ".join(sorted((lhs_t, rhs_t)))

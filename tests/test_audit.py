@@ -190,8 +190,10 @@ def conv(x, k, groups):
 ])
 def test_stride_one_same_conv_flops(n, h, w, cin, cout, kh, kw, groups):
     x, k = jnp.ones((n, h, w, cin)), jnp.ones((kh, kw, cin // groups, cout))
-    # Each output element is a dot over the kernel window and the group's input features.
-    fwd = 2 * n * h * w * cout * (cin // groups) * kh * kw
+    # Multiply-adds on real data: each output element is a dot over the kernel taps that land
+    # inside the input (SAME pads lo = (k-1)//2, hi = k-1-lo; the taps on padding are dropped)
+    # and the group's input features.
+    fwd = 2 * n * same_taps(h, kh) * same_taps(w, kw) * cout * (cin // groups)
     grouped = functools.partial(conv, groups=groups)
     report = jaxamp.audit(grouped, x, k)
     assert report.total_matmul_flops == fwd
@@ -205,6 +207,41 @@ def test_stride_one_same_conv_flops(n, h, w, cin, cout, kh, kw, groups):
     assert grad.total_matmul_flops == 3 * fwd
 
 
+def same_taps(size, k):
+    """Kernel taps landing inside the input, summed over a stride-1 SAME output axis."""
+    lo, hi = (k - 1) // 2, k - 1 - (k - 1) // 2
+    return size * k - lo * (lo + 1) // 2 - hi * (hi + 1) // 2
+
+
+def test_same_taps_by_hand():
+    # 8 outputs × 3 taps, minus the one tap on padding at each edge.
+    assert same_taps(8, 3) == 22
+    assert same_taps(9, 1) == 9
+
+
+@pytest.mark.parametrize("stride, padding", [
+    ((2, 2), "SAME"), ((2, 2), "VALID"), ((3, 2), "SAME"), ((2, 2), ((2, 1), (0, 2)))])
+def test_strided_conv_gradients_cost_the_forward(stride, padding):
+    x, k = jnp.ones((2, 15, 16, 8)), jnp.ones((3, 3, 8, 4))
+
+    def f(x, k):
+        return lax.conv_general_dilated(x, k, stride, padding,
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    fwd = jaxamp.audit(f, x, k).total_matmul_flops
+    # The input gradient convolves a dilated cotangent: its inserted zeros are not data.
+    for argnums in (0, 1):
+        grad = jaxamp.audit_grad(f, x, k, argnums=argnums)
+        assert [s.flops for s in grad.matmuls] == [fwd, fwd]
+
+
+def test_valid_conv_flops_by_hand():
+    x, k = jnp.ones((2, 9, 9, 3)), jnp.ones((3, 3, 3, 5))
+    report = jaxamp.audit(lambda x, k: lax.conv_general_dilated(
+        x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")), x, k)
+    # 4 × 4 outputs, every tap on real data.
+    assert report.total_matmul_flops == 2 * 2 * 4 * 4 * 5 * 3 * 3 * 3
+
+
 def test_batch_grouped_conv_flops():
     n, h, w, cin, cout, g = 4, 5, 5, 3, 6, 2
     x, k = jnp.ones((n, h, w, cin)), jnp.ones((3, 3, cin, cout))
@@ -213,7 +250,8 @@ def test_batch_grouped_conv_flops():
                                               dimension_numbers=("NHWC", "HWIO", "NHWC"),
                                               batch_group_count=g), x, k)
     # Output (n / g, h, w, cout): each output feature group reads one batch group.
-    assert report.total_matmul_flops == 2 * (n // g) * h * w * cout * cin * 3 * 3
+    assert report.total_matmul_flops == 2 * (n // g) * same_taps(h, 3) * same_taps(w, 3) \
+        * cout * cin
 
 
 # --------------------------------------------------------------------------------------------
