@@ -377,10 +377,12 @@ class AuditReport:
         ]
         return sections
 
+    def _summary(self) -> str:
+        return (f"total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
+                f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand")
+
     def __str__(self) -> str:
-        lines = [f"jaxamp precision audit: {self.title}",
-                 f"  total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
-                 f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand"]
+        lines = [f"jaxamp precision audit: {self.title}", f"  {self._summary()}"]
         for heading, rows in self._rows():
             lines.append(f"  {heading}:")
             if not rows:
@@ -391,8 +393,7 @@ class AuditReport:
 
     def _repr_html_(self) -> str:
         parts = [f"<h4>jaxamp precision audit: {html.escape(self.title)}</h4>",
-                 f"<p>total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
-                 f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand</p>"]
+                 f"<p>{html.escape(self._summary())}</p>"]
         for heading, rows in self._rows():
             parts.append(f"<b>{html.escape(heading)}</b><table>")
             for row in rows or [("(none)",)]:
