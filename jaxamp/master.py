@@ -232,7 +232,10 @@ def mixed_precision(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        master = policy.cast_to_param(params)
+        # A copy even where the dtype already matches: the master must never share a buffer
+        # with the working params, or donating the train state would donate it twice.
+        master = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
+                              policy.cast_to_param(params))
         return MixedPrecisionState(
             master_params=master,
             inner_state=inner.init(master),

@@ -650,3 +650,18 @@ def test_a_plain_optax_transform_trains_in_float32_and_skips_non_finite_steps():
     assert not bool(m["grads_finite"])
     assert_tree_bitwise_equal(state.params, before.params)
     assert_tree_bitwise_equal(state.opt_state, before.opt_state)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_the_state_can_be_donated(policy):
+    # With equal dtypes the master must still be its own buffer, or donation fails.
+    state = jaxamp.TrainState.create(params={"w": jnp.ones(3)},
+                                     tx=jaxamp.mixed_precision(optax.sgd(0.1), policy))
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"].astype(jnp.float32)) ** 2)
+
+    step = jax.jit(jaxamp.make_train_step(loss_fn), donate_argnums=0)
+    for _ in range(2):
+        state, m = step(state, {"x": jnp.ones((4, 3))})
+    assert bool(m["grads_finite"]) and int(state.step) == 2
