@@ -1,0 +1,106 @@
+"""The training CLI end to end, on tiny configurations."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from train import cli
+from train import train as train_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = {
+    "digits": ["--model", "resnet18_small"],
+    "synthetic_images": ["--model", "resnet18_small"],
+    "text": ["--model", "gpt_tiny", "--seq-len", "16"],
+    "mlm": ["--model", "bert_tiny", "--seq-len", "16"],
+    "synthetic_text": ["--model", "gpt_tiny", "--seq-len", "16"],
+}
+
+
+def _run(tmp_path, *args):
+    cli.main(["--config", "tiny", "--no-progress", "--workdir", str(tmp_path), *args])
+    with open(tmp_path / "summary.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("task", sorted(TINY))
+def test_each_task_runs_and_writes_logs_checkpoint_and_plot(tmp_path, task):
+    summary = _run(tmp_path, "--task", task, "--precision", "mixed_bfloat16", *TINY[task])
+    assert summary["steps"] == 3 and not summary["stopped_by_signal"]
+    assert np.isfinite(summary["eval_loss"])
+    metrics = train_lib.read_metrics(str(tmp_path))
+    assert list(metrics["step"]) == [1, 2, 3]
+    assert {"loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm",
+            "nonfinite_leaves", "throughput"} <= set(metrics)
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert os.listdir(tmp_path / "tensorboard")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
+
+
+def _final_state(workdir, step):
+    path = os.path.join(workdir, "checkpoints", str(step), "state")
+    with ocp.StandardCheckpointer() as ckpt:
+        return ckpt.restore(path)
+
+
+def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
+    args = ["--precision", "mixed_float16", "--steps", "10", "--checkpoint-every", "5",
+            "--growth-interval", "3"]
+    _run(tmp_path / "straight", *args)
+    # The same run stopped after 5 steps, then resumed to 10.
+    _run(tmp_path / "resumed", *args[:2], "--steps", "5", *args[4:])
+    _run(tmp_path / "resumed", *args, "--resume")
+    a, b = _final_state(tmp_path / "straight", 10), _final_state(tmp_path / "resumed", 10)
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) > 10
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The data position (epoch, batch) is saved with the state, the same in both runs.
+    for run in ("straight", "resumed"):
+        with open(tmp_path / run / "checkpoints" / "10" / "data" / "metadata") as f:
+            assert json.load(f) == [0, 10]
+    # The metrics log continues instead of starting over.
+    steps = train_lib.read_metrics(str(tmp_path / "resumed"))["step"]
+    assert list(steps) == list(range(1, 11))
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "--config", "tiny", "--steps", "100000",
+         "--checkpoint-every", "100000", "--no-progress", "--workdir", str(tmp_path)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (tmp_path / "metrics.csv").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert (tmp_path / "metrics.csv").exists(), proc.communicate(timeout=30)[0][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0, out[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stopped_by_signal"]
+    steps = [int(d) for d in os.listdir(tmp_path / "checkpoints")]
+    assert steps == [summary["steps"]]
+
+
+@pytest.mark.parametrize("parallel", ["pmap", "jit"])
+def test_parallel_layouts_run(tmp_path, parallel):
+    summary = _run(tmp_path, "--parallel", parallel, "--precision", "mixed_bfloat16")
+    assert summary["steps"] == 3 and np.isfinite(summary["eval_loss"])
+
+
+def test_compare_writes_one_table_and_one_plot(tmp_path):
+    cli.main(["--config", "tiny", "--no-progress", "--workdir", str(tmp_path),
+              "--compare", "float32,mixed_float16"])
+    table = (tmp_path / "compare.md").read_text()
+    assert "float32" in table and "mixed_float16" in table
+    assert (tmp_path / "compare.png").stat().st_size > 1000

@@ -1,0 +1,5 @@
+"""The training CLI: ``python -m train --help``."""
+
+from train.cli import main
+
+main()

@@ -1,0 +1,214 @@
+"""Reference models (Flax NNX) and their bridge to ``jaxamp.make_train_step``.
+
+    model = models.build("resnet18_small", "mixed_bfloat16", num_classes=10)
+    graphdef, params, model_state = models.split(model)
+    tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx, model_state=model_state)
+    step = jax.jit(jaxamp.make_train_step(models.classification_loss(graphdef),
+                                          has_model_state=True, has_aux=True))
+
+Every model is built with fp32 params (the master copy; ``TrainState`` casts the working copy)
+and computes in the policy's compute dtype, with normalization statistics, softmaxes, GELU and
+the losses in fp32. Losses and accuracies come back in fp32.
+
+Batches: images ``{"image": (B, H, W, C) float, "label": (B,) int}``; text
+``{"tokens": (B, L) int32, "targets": (B, L) int32}``, plus an optional ``"mask"`` ``(B, L)``
+float that weights the positions of the loss (the masked positions for MLM, padding for a
+language model) and, for BERT, optional ``"segments"`` ``(B, L)`` int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxamp
+from train.models.layers import F32
+from train.models.layers import softmax_cross_entropy
+from train.models.resnet import CONFIGS as RESNET_CONFIGS
+from train.models.resnet import ResNet
+from train.models.resnet import ResNetConfig
+from train.models.transformer import BERT_CONFIGS
+from train.models.transformer import GPT
+from train.models.transformer import GPT_CONFIGS
+from train.models.transformer import BertMLM
+from train.models.transformer import TransformerConfig
+
+__all__ = ["MODELS", "build", "classification_loss", "config_of", "lm_loss", "merge",
+           "mlm_loss", "param_count", "split"]
+
+# name -> (family, base config, default head size)
+MODELS: dict[str, tuple[str, Any]] = {
+    "resnet18": ("resnet", RESNET_CONFIGS["resnet18"]),
+    "resnet50": ("resnet", RESNET_CONFIGS["resnet50"]),
+    "resnet18_small": ("resnet", dataclasses.replace(RESNET_CONFIGS["resnet18"], stem="small",
+                                                     num_classes=10)),
+    "resnet50_small": ("resnet", dataclasses.replace(RESNET_CONFIGS["resnet50"], stem="small",
+                                                     num_classes=10)),
+    **{name: ("bert", cfg) for name, cfg in BERT_CONFIGS.items()},
+    **{name: ("gpt", cfg) for name, cfg in GPT_CONFIGS.items()},
+}
+
+
+def config_of(name: str, *, num_classes: int | None = None, vocab: int | None = None,
+              **overrides: Any) -> ResNetConfig | TransformerConfig:
+    """The config of model ``name`` with ``num_classes``/``vocab`` and field overrides."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    family, config = MODELS[name]
+    if family == "resnet":
+        if vocab is not None:
+            raise ValueError(f"vocab is for transformers; {name!r} takes num_classes")
+        if num_classes is not None:
+            overrides["num_classes"] = num_classes
+    else:
+        if num_classes is not None:
+            raise ValueError(f"num_classes is for ResNets; {name!r} takes vocab")
+        if vocab is not None:
+            overrides["vocab"] = vocab
+    fields = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown} for {name!r}; its config "
+                         f"{type(config).__name__} has {sorted(fields)}")
+    if "stage_sizes" in overrides:
+        overrides["stage_sizes"] = tuple(overrides["stage_sizes"])
+    return dataclasses.replace(config, **overrides)
+
+
+def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
+          vocab: int | None = None, seed: int = 0, **overrides: Any) -> nnx.Module:
+    """Builds model ``name`` computing in ``policy``'s compute dtype, with fp32 params.
+
+    Args:
+      name: one of ``MODELS``: ``resnet18``, ``resnet50`` (ImageNet stem, 1000 classes),
+        ``resnet18_small``, ``resnet50_small`` (3x3 stem without pooling, 10 classes),
+        ``bert_tiny``, ``bert_base``, ``bert_large`` (MLM head; vocabulary 30522 for base and
+        large, 256 for tiny), ``gpt_tiny``, ``gpt_small`` (byte vocabulary 256).
+      policy: anything ``jaxamp.get_policy`` accepts.
+      num_classes: the ResNet classifier's size.
+      vocab: a transformer's vocabulary size.
+      seed: seeds the param init.
+      **overrides: fields of the config (``ResNetConfig`` or ``TransformerConfig``), for
+        example ``stage_sizes=(1, 1), width=8`` or ``depth=2, width=64``.
+
+    To build without allocating (for shapes and param counts), wrap it:
+    ``nnx.eval_shape(lambda: build("bert_large"))``.
+    """
+    config = config_of(name, num_classes=num_classes, vocab=vocab, **overrides)
+    dtype = jaxamp.get_policy(policy).compute_dtype
+    rngs = nnx.Rngs(seed)
+    family = MODELS[name][0]
+    if family == "resnet":
+        return ResNet(config, dtype=dtype, rngs=rngs)
+    if family == "bert":
+        return BertMLM(config, dtype=dtype, rngs=rngs)
+    return GPT(config, dtype=dtype, rngs=rngs)
+
+
+def split(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict | None]:
+    """``(graphdef, params, model_state)``: the functional form of ``model``.
+
+    ``params`` is the ``nnx.Param`` state as a nested dict of arrays (what ``TrainState``
+    and the optimizer take); ``model_state`` holds the batch-norm statistics, as a nested
+    dict, or is ``None`` when the model has none (transformers).
+    """
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("the model holds state that is neither nnx.Param nor nnx.BatchStat "
+                         f"({sorted(rest.to_pure_dict())}); split it by hand")
+    model_state = stats.to_pure_dict()
+    return graphdef, params.to_pure_dict(), (model_state if jax.tree.leaves(model_state)
+                                             else None)
+
+
+def merge(graphdef: nnx.GraphDef, params: Any, model_state: Any = None) -> nnx.Module:
+    """The module back from :func:`split`'s parts (params in any dtype)."""
+    return nnx.merge(graphdef, params, *(() if model_state is None else (model_state,)))
+
+
+def param_count(tree: Any) -> int:
+    """Number of params of a module (its ``nnx.Param`` leaves) or of a params tree.
+
+    Works on abstract modules and trees (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``).
+    """
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, nnx.Param).to_pure_dict()
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def _weighted_mean(values: jax.Array, weights: jax.Array | None) -> jax.Array:
+    values = values.astype(F32)
+    if weights is None:
+        return values.mean()
+    weights = weights.astype(F32)
+    return (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+def classification_loss(graphdef: nnx.GraphDef, *, train: bool = True) -> Callable:
+    """``loss_fn(params, batch, model_state=...) -> (loss, new_model_state, aux)``.
+
+    For ``jaxamp.make_train_step(loss_fn, has_model_state=True, has_aux=True)``. Mean softmax
+    cross-entropy of the fp32 logits against ``batch["label"]``; ``aux`` is
+    ``{"accuracy": ...}``. With ``train=True`` batch norm uses and updates the batch
+    statistics; with ``train=False`` it uses the running averages and returns them unchanged.
+    """
+    def loss_fn(params, batch, model_state):
+        model = merge(graphdef, params, model_state)
+        logits_BxK = model(batch["image"], train=train)
+        labels_B = batch["label"]
+        loss = softmax_cross_entropy(logits_BxK, labels_B).mean()
+        accuracy = (logits_BxK.argmax(-1) == labels_B).astype(F32).mean()
+        new_state = nnx.state(model, nnx.BatchStat).to_pure_dict()
+        return loss, new_state, {"accuracy": accuracy}
+    return loss_fn
+
+
+def _token_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
+                mask_BxL: jax.Array | None) -> tuple[jax.Array, dict]:
+    # The logits stay in the compute dtype: the cross-entropy upcasts them inside and saves
+    # them as they are for the backward pass (the (B, L, vocab) logits are the largest
+    # activation of a small-width model).
+    loss = _weighted_mean(softmax_cross_entropy(logits_BxLxV, targets_BxL), mask_BxL)
+    accuracy = _weighted_mean(logits_BxLxV.argmax(-1) == targets_BxL, mask_BxL)
+    return loss, {"accuracy": accuracy}
+
+
+def mlm_loss(graphdef: nnx.GraphDef) -> Callable:
+    """``loss_fn(params, batch) -> (loss, aux)`` for a :class:`BertMLM` (``has_aux=True``).
+
+    Cross-entropy of ``batch["targets"]`` at the positions weighted by ``batch["mask"]`` (all
+    positions when there is no mask), in fp32; ``aux`` is ``{"accuracy": ...}`` over the same
+    positions.
+    """
+    def loss_fn(params, batch):
+        model = merge(graphdef, params)
+        logits = model(batch["tokens"], batch.get("segments"), logits_dtype=None)
+        return _token_loss(logits, batch["targets"], batch.get("mask"))
+    return loss_fn
+
+
+def lm_loss(graphdef: nnx.GraphDef) -> Callable:
+    """``loss_fn(params, batch) -> (loss, aux)``: next-token loss for a :class:`GPT`.
+
+    ``batch["targets"][:, i]`` is the token that follows ``batch["tokens"][:, : i + 1]``.
+    Without ``"targets"``, the tokens are shifted: inputs ``tokens[:, :-1]``, targets
+    ``tokens[:, 1:]``. An optional ``batch["mask"]`` weights the positions.
+    """
+    def loss_fn(params, batch):
+        model = merge(graphdef, params)
+        tokens, mask = batch["tokens"], batch.get("mask")
+        if "targets" in batch:
+            targets = batch["targets"]
+        else:
+            tokens, targets = tokens[:, :-1], tokens[:, 1:]
+            mask = None if mask is None else mask[:, 1:]
+        logits = model(tokens, logits_dtype=None)
+        return _token_loss(logits, targets, mask)
+    return loss_fn

@@ -1,0 +1,218 @@
+"""Transformers in Flax NNX: a BERT-style encoder with an MLM head and a GPT-style decoder.
+
+Every matmul runs in the compute dtype ``dtype`` with fp32 params. LayerNorm statistics, the
+attention softmax, GELU and the logits' loss run in fp32, and each fp32 result is cast back to
+``dtype`` before the next matmul, so no matmul is promoted to fp32 (see
+``train/flax_encoder.py`` for what happens otherwise). The models return fp32 logits.
+
+* :class:`BertMLM`: post-LN encoder (Devlin et al., 2019) with learned position and segment
+  embeddings, an embedding LayerNorm, and the masked-LM head (dense, GELU, LayerNorm, then the
+  tied word embeddings plus a bias).
+* :class:`GPT`: pre-LN causal decoder (GPT-2) with learned positions, a final LayerNorm and the
+  tied word embeddings as output projection. Byte-level (vocabulary 256) by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.models.layers import F32
+from train.models.layers import Dense
+from train.models.layers import Embed
+from train.models.layers import LayerNorm
+from train.models.layers import attention_softmax
+from train.models.layers import bias_add
+from train.models.layers import gelu
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """The shape of an encoder or decoder.
+
+    Attributes:
+      vocab: vocabulary size (256 for byte-level text).
+      width: model width (hidden size).
+      depth: number of blocks.
+      heads: attention heads; ``width`` must be a multiple.
+      mlp: hidden size of the feed-forward block.
+      max_len: longest sequence (learned position embeddings).
+      type_vocab: segment types (2 for BERT; 0: no segment embeddings).
+      epsilon: LayerNorm epsilon.
+    """
+
+    vocab: int = 256
+    width: int = 768
+    depth: int = 12
+    heads: int = 12
+    mlp: int = 3072
+    max_len: int = 512
+    type_vocab: int = 0
+    epsilon: float = 1e-5
+
+    def __post_init__(self):
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not a multiple of heads {self.heads}")
+        for field in ("vocab", "width", "depth", "heads", "mlp", "max_len"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+
+
+BERT_CONFIGS = {
+    # BERT-Tiny's shape (Turc et al., 2019) with a byte vocabulary.
+    "bert_tiny": TransformerConfig(vocab=256, width=128, depth=2, heads=2, mlp=512,
+                                   max_len=128, type_vocab=2, epsilon=1e-12),
+    "bert_base": TransformerConfig(vocab=30522, width=768, depth=12, heads=12, mlp=3072,
+                                   max_len=512, type_vocab=2, epsilon=1e-12),
+    "bert_large": TransformerConfig(vocab=30522, width=1024, depth=24, heads=16, mlp=4096,
+                                    max_len=512, type_vocab=2, epsilon=1e-12),
+}
+
+GPT_CONFIGS = {
+    "gpt_tiny": TransformerConfig(vocab=256, width=64, depth=2, heads=2, mlp=256, max_len=128),
+    "gpt_small": TransformerConfig(vocab=256, width=768, depth=12, heads=12, mlp=3072,
+                                   max_len=1024),
+}
+
+
+def _linear(n_in: int, n_out: int, *, dtype: Any, rngs: nnx.Rngs,
+            stddev: float = 0.02) -> Dense:
+    return Dense(n_in, n_out, dtype=dtype, kernel_init=jax.nn.initializers.normal(stddev),
+                 rngs=rngs)
+
+
+def causal_mask(length: int) -> jax.Array:
+    """``(L, L)`` bool: position ``i`` attends to positions ``<= i``."""
+    return jnp.tril(jnp.ones((length, length), jnp.bool_))
+
+
+class SelfAttention(nnx.Module):
+    """Multi-head self-attention with a fused QKV projection."""
+
+    def __init__(self, width: int, heads: int, *, dtype: Any, rngs: nnx.Rngs,
+                 out_stddev: float = 0.02):
+        self.heads = heads
+        self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs)
+        self.out = _linear(width, width, dtype=dtype, rngs=rngs, stddev=out_stddev)
+
+    def __call__(self, x_BxLxD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        H = self.heads
+        q, k, v = (t.reshape(B, L, H, D // H) for t in jnp.split(self.qkv(x_BxLxD), 3, -1))
+        scores_BxHxLxL = jnp.einsum("blhd,bmhd->bhlm", q, k)
+        # fp32 softmax; the probabilities come back in the compute dtype for the value matmul.
+        probs_BxHxLxL = attention_softmax(scores_BxHxLxL, mask, scale=1.0 / math.sqrt(D // H))
+        att_BxLxD = jnp.einsum("bhlm,bmhd->blhd", probs_BxHxLxL, v).reshape(B, L, D)
+        return self.out(att_BxLxD)
+
+
+class Block(nnx.Module):
+    """Attention and feed-forward sublayers with residuals: pre-LN (GPT) or post-LN (BERT)."""
+
+    def __init__(self, config: TransformerConfig, *, pre_norm: bool, dtype: Any,
+                 rngs: nnx.Rngs, out_stddev: float = 0.02):
+        c = config
+        self.pre_norm = pre_norm
+        self.attention = SelfAttention(c.width, c.heads, dtype=dtype, rngs=rngs,
+                                       out_stddev=out_stddev)
+        self.norm1 = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
+        self.mlp_in = _linear(c.width, c.mlp, dtype=dtype, rngs=rngs)
+        self.mlp_out = _linear(c.mlp, c.width, dtype=dtype, rngs=rngs, stddev=out_stddev)
+        self.norm2 = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
+
+    def _mlp(self, x: jax.Array) -> jax.Array:
+        return self.mlp_out(gelu(self.mlp_in(x)))
+
+    def __call__(self, x_BxLxD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        x = x_BxLxD
+        if self.pre_norm:
+            x = x + self.attention(self.norm1(x), mask)
+            return x + self._mlp(self.norm2(x))
+        x = self.norm1(x + self.attention(x, mask))
+        return self.norm2(x + self._mlp(x))
+
+
+def _check_tokens(tokens_BxL: jax.Array, max_len: int) -> None:
+    if tokens_BxL.ndim != 2:
+        raise ValueError(f"tokens must have shape (batch, length), got {tokens_BxL.shape}")
+    if tokens_BxL.shape[1] > max_len:
+        raise ValueError(f"sequence length {tokens_BxL.shape[1]} exceeds max_len {max_len}; "
+                         "build the model with a larger max_len")
+
+
+class BertMLM(nnx.Module):
+    """BERT encoder with the masked-LM head.
+
+    ``model(tokens_BxL, segments=None)`` returns fp32 logits ``(B, L, vocab)`` at every
+    position; the loss picks the masked ones.
+    """
+
+    def __init__(self, config: TransformerConfig, *, dtype: Any = F32, rngs: nnx.Rngs):
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, rngs=rngs)
+        self.position_embed = Embed(c.max_len, c.width, dtype=dtype, rngs=rngs)
+        self.type_embed = (Embed(c.type_vocab, c.width, dtype=dtype, rngs=rngs)
+                           if c.type_vocab else None)
+        self.embed_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
+        self.layers = nnx.List([Block(c, pre_norm=False, dtype=dtype, rngs=rngs)
+                                for _ in range(c.depth)])
+        self.mlm_dense = _linear(c.width, c.width, dtype=dtype, rngs=rngs)
+        self.mlm_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
+        self.mlm_bias = nnx.Param(jnp.zeros((c.vocab,), F32))
+
+    def __call__(self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None, *,
+                 logits_dtype: Any = F32) -> jax.Array:
+        """Logits in ``logits_dtype`` (fp32; ``None`` keeps the compute dtype)."""
+        _check_tokens(tokens_BxL, self.config.max_len)
+        L = tokens_BxL.shape[1]
+        x = bias_add(self.token_embed(tokens_BxL),
+                     self.position_embed.embedding[...][:L].astype(self.dtype))
+        if self.type_embed is not None:
+            if segments_BxL is None:
+                segments_BxL = jnp.zeros_like(tokens_BxL)
+            x = x + self.type_embed(segments_BxL)
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x)
+        h = self.mlm_norm(gelu(self.mlm_dense(x)))
+        logits_BxLxV = bias_add(self.token_embed.attend(h), self.mlm_bias[...].astype(self.dtype))
+        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
+
+
+class GPT(nnx.Module):
+    """GPT-2-style causal decoder.
+
+    ``model(tokens_BxL)`` returns fp32 next-token logits ``(B, L, vocab)``: position ``i``
+    sees tokens ``0..i``.
+    """
+
+    def __init__(self, config: TransformerConfig, *, dtype: Any = F32, rngs: nnx.Rngs):
+        c = config
+        self.config = config
+        self.dtype = dtype
+        # GPT-2 scales the init of the projections that write to the residual stream.
+        out_stddev = 0.02 / math.sqrt(2 * c.depth)
+        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, rngs=rngs)
+        self.position_embed = Embed(c.max_len, c.width, dtype=dtype, stddev=0.01, rngs=rngs)
+        self.layers = nnx.List([Block(c, pre_norm=True, dtype=dtype, rngs=rngs,
+                                      out_stddev=out_stddev) for _ in range(c.depth)])
+        self.final_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
+
+    def __call__(self, tokens_BxL: jax.Array, *, logits_dtype: Any = F32) -> jax.Array:
+        """Logits in ``logits_dtype`` (fp32; ``None`` keeps the compute dtype)."""
+        _check_tokens(tokens_BxL, self.config.max_len)
+        L = tokens_BxL.shape[1]
+        x = bias_add(self.token_embed(tokens_BxL),
+                     self.position_embed.embedding[...][:L].astype(self.dtype))
+        mask = causal_mask(L)
+        for layer in self.layers:
+            x = layer(x, mask)
+        logits_BxLxV = self.token_embed.attend(self.final_norm(x))
+        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
