@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy jaxamp
 
 demo: $(STAMP)
-	$(PY) -m train.demo
+	$(PY) -m train --compare auto,mixed_float16 --workdir runs/demo
 
 bench: $(STAMP)
 	$(PY) -m train.bench_overhead

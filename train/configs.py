@@ -10,7 +10,8 @@ from train.train import Config
 
 PRESETS: dict[str, Config] = {
     "default": Config(task="digits", model="resnet18_small", batch_size=64, steps=300, lr=3e-3,
-                      checkpoint_every=100, log_every=10),
+                      checkpoint_every=100, log_every=10,
+                      model_overrides={"resnet": {"width": 16}}),
     "text": Config(task="text", model="gpt_tiny", batch_size=32, seq_len=64, steps=500,
                    lr=3e-3, checkpoint_every=250, log_every=10),
     "mlm": Config(task="mlm", model="bert_tiny", batch_size=32, seq_len=64, steps=500, lr=1e-3,
