@@ -56,6 +56,9 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.coordinator:
         import jax
+        # CPU devices of different processes exchange collectives through gloo (the setting
+        # does not affect GPU or TPU backends).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id)
     from train import train as train_lib
