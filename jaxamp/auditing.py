@@ -19,6 +19,7 @@ import html
 import math
 import os
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -275,12 +276,26 @@ def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
     return None
 
 
-def _saved_residuals(fn: Callable, args: tuple, kwargs: dict) -> dict[str, int]:
+def _saved_residuals(fn: Callable, args: tuple, kwargs: dict,
+                     argnums: int | tuple[int, ...] | None = None) -> dict[str, int]:
+    """Bytes of the residuals saved to differentiate ``fn`` with respect to ``argnums`` (every
+    argument when ``None``), by dtype; arguments and closed-over constants excluded."""
     from jax._src import ad_checkpoint
     by_dtype: dict[str, int] = defaultdict(int)
+    if argnums is not None:
+        wrt = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        full_fn, all_args, all_kwargs = fn, args, kwargs
+
+        def of_wrt(*diff):
+            full = list(all_args)
+            for i, value in zip(wrt, diff, strict=True):
+                full[i] = value
+            return full_fn(*full, **all_kwargs)
+        fn, args, kwargs = of_wrt, tuple(all_args[i] for i in wrt), {}
     try:
         residuals = ad_checkpoint.saved_residuals(fn, *args, **kwargs)
-    except Exception:  # noqa: BLE001 - e.g. non-differentiable inputs only
+    except (TypeError, ValueError) as e:  # e.g. only integer inputs: nothing to differentiate
+        warnings.warn(f"jaxamp.audit could not list the saved residuals: {e}", stacklevel=3)
         return {}
     for aval, description in residuals:
         # Arguments and closed-over constants (an NNX module's params) are not activations.
@@ -492,4 +507,5 @@ def audit_grad(fn: Callable, *args: Any, argnums: int | tuple[int, ...] = 0,
     def scalar(*a):
         return _scalar_of(fn(*a, **kwargs))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(scalar, argnums=argnums))(*args)
-    return _report(_title(fn, " (value and grad)"), jaxpr, _saved_residuals(scalar, args, {}))
+    return _report(_title(fn, " (value and grad)"), jaxpr,
+                   _saved_residuals(scalar, args, {}, argnums))

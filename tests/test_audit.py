@@ -714,3 +714,13 @@ def test_to_dict_is_plain_python(promoted_report):
     assert d["fp32_matmul_share"] == 1.0
     assert d["fp32_matmuls"][0]["lhs_shape"] == (2, 8)
     assert d["saved_bytes"] == 0
+
+
+def test_saved_bytes_follow_argnums():
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+
+    def f(w, x):
+        return jnp.sum(jnp.sin(x) @ w)
+    # d/dw needs sin(x) (4×8 fp32 = 128 bytes); d/dx needs cos(x) as well.
+    assert jaxamp.audit_grad(f, w, x, argnums=0).saved_bytes_by_dtype == {"float32": 128}
+    assert jaxamp.audit_grad(f, w, x, argnums=(0, 1)).saved_bytes_by_dtype == {"float32": 256}
