@@ -43,7 +43,7 @@ from train.models.transformer import TransformerConfig
 __all__ = ["MODELS", "build", "classification_loss", "config_of", "lm_loss", "merge",
            "mlm_loss", "param_count", "split"]
 
-# name -> (family, base config, default head size)
+# name -> (family, config)
 MODELS: dict[str, tuple[str, Any]] = {
     "resnet18": ("resnet", RESNET_CONFIGS["resnet18"]),
     "resnet50": ("resnet", RESNET_CONFIGS["resnet50"]),
@@ -122,9 +122,9 @@ def split(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict | None]:
     graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
     if jax.tree.leaves(rest):
         raise ValueError("the model holds state that is neither nnx.Param nor nnx.BatchStat "
-                         f"({sorted(rest.to_pure_dict())}); split it by hand")
-    model_state = stats.to_pure_dict()
-    return graphdef, params.to_pure_dict(), (model_state if jax.tree.leaves(model_state)
+                         f"({sorted(nnx.to_pure_dict(rest))}); split it by hand")
+    model_state = nnx.to_pure_dict(stats)
+    return graphdef, nnx.to_pure_dict(params), (model_state if jax.tree.leaves(model_state)
                                              else None)
 
 
@@ -139,7 +139,7 @@ def param_count(tree: Any) -> int:
     Works on abstract modules and trees (``nnx.eval_shape``, ``jax.ShapeDtypeStruct``).
     """
     if isinstance(tree, nnx.Module):
-        tree = nnx.state(tree, nnx.Param).to_pure_dict()
+        tree = nnx.to_pure_dict(nnx.state(tree, nnx.Param))
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
@@ -165,7 +165,7 @@ def classification_loss(graphdef: nnx.GraphDef, *, train: bool = True) -> Callab
         labels_B = batch["label"]
         loss = softmax_cross_entropy(logits_BxK, labels_B).mean()
         accuracy = (logits_BxK.argmax(-1) == labels_B).astype(F32).mean()
-        new_state = nnx.state(model, nnx.BatchStat).to_pure_dict()
+        new_state = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
         return loss, new_state, {"accuracy": accuracy}
     return loss_fn
 

@@ -1,0 +1,405 @@
+"""The reference models in ``train/models``: dtypes under every policy, one jaxamp train step,
+skipped steps, the precision audit, param counts of the published configs, learning on a tiny
+task, and the fp32 layers' gradients against plain autodiff."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from bitwise import assert_tree_bitwise_equal
+from flax import nnx
+
+import jaxamp
+from train import models
+from train.models import layers
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+HALF = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+
+# family -> (model name, config overrides, batch shape)
+FAMILIES = {
+    "resnet18_small": ("resnet18_small", dict(stage_sizes=(1, 1), width=8), (8, 8, 8, 3)),
+    "resnet18_imagenet_stem": ("resnet18", dict(stage_sizes=(1, 1), width=8, num_classes=10),
+                               (4, 32, 32, 3)),
+    "resnet50_bottleneck": ("resnet50_small", dict(stage_sizes=(1, 1), width=8),
+                            (4, 8, 8, 3)),
+    "bert_tiny": ("bert_tiny", {}, (4, 16)),
+    "gpt_tiny": ("gpt_tiny", {}, (4, 16)),
+}
+
+
+def is_resnet(family):
+    return family.startswith("resnet")
+
+
+def make_batch(family, seed=0):
+    """A learnable batch: class-dependent images, or periodic byte sequences."""
+    shape = FAMILIES[family][2]
+    rng = np.random.default_rng(seed)
+    if is_resnet(family):
+        labels = np.arange(shape[0]) % 4
+        images = rng.normal(size=shape) * 0.5 + labels[:, None, None, None] * 0.5
+        return {"image": jnp.asarray(images, F32), "label": jnp.asarray(labels, jnp.int32)}
+    b, length = shape
+    windows = (np.arange(length + 1)[None, :] * 3 + np.arange(b)[:, None]) % 11 + 65
+    return {"tokens": jnp.asarray(windows[:, :-1], jnp.int32),
+            "targets": jnp.asarray(windows[:, 1:], jnp.int32),
+            "mask": jnp.ones((b, length), F32)}
+
+
+def loss_of(family, graphdef):
+    if is_resnet(family):
+        return models.classification_loss(graphdef), dict(has_model_state=True, has_aux=True)
+    if family.startswith("bert"):
+        return models.mlm_loss(graphdef), dict(has_aux=True)
+    return models.lm_loss(graphdef), dict(has_aux=True)
+
+
+# The tests check dtypes and values, not speed: compile at XLA's lowest backend optimization
+# level, which halves the compile time of these small graphs.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def jit(fn):
+    return jax.jit(fn, compiler_options=FAST_COMPILE)
+
+
+@functools.cache
+def setup(family, policy):
+    """The model, its split, a fresh TrainState and the jitted step (compiled once per case)."""
+    name, overrides, _ = FAMILIES[family]
+    model = models.build(name, policy, **overrides)
+    graphdef, params, model_state = models.split(model)
+    # A small initial scale: fp16 steps go through on the first try.
+    scale = jaxamp.DynamicLossScale(loss_scale=2.0**8) if policy == "mixed_float16" else None
+    tx = jaxamp.mixed_precision(optax.adam(3e-3), policy, loss_scale=scale)
+    state = jaxamp.TrainState.create(params=params, tx=tx, model_state=model_state)
+    loss_fn, flags = loss_of(family, graphdef)
+    step = jit(jaxamp.make_train_step(loss_fn, **flags))
+    return model, graphdef, state, step
+
+
+def dtypes(tree):
+    return {str(x.dtype) for x in jax.tree.leaves(tree)}
+
+
+def assert_trees_differ(a, b):
+    assert any(not np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Every family x every policy: forward, one step, a skipped step
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_and_step(family, policy):
+    model, graphdef, state, step = setup(family, policy)
+    compute = jnp.dtype(jaxamp.get_policy(policy).compute_dtype)
+    batch = make_batch(family)
+
+    # The module holds the fp32 master params; its forward computes in the compute dtype.
+    assert dtypes(nnx.state(model, nnx.Param)) == {"float32"}
+    if is_resnet(family):
+        logits = jit(lambda p, s, x: models.merge(graphdef, p, s)(x, train=False))(
+            state.params, state.model_state, batch["image"])
+        assert logits.shape == (batch["image"].shape[0], 10)
+    else:
+        logits = jit(lambda p, t: models.merge(graphdef, p)(t))(state.params, batch["tokens"])
+        assert logits.shape == batch["tokens"].shape + (256,)
+    assert logits.dtype == F32
+    assert np.isfinite(np.asarray(logits)).all()
+
+    new, metrics = step(state, batch)
+    assert metrics["loss"].dtype == F32 and np.isfinite(float(metrics["loss"]))
+    assert metrics["aux"]["accuracy"].dtype == F32
+    assert bool(metrics["grads_finite"])
+    assert dtypes(new.params) == {compute.name}
+    assert dtypes(new.master_params) == {"float32"}
+    assert_trees_differ(new.master_params, state.master_params)
+    if is_resnet(family):
+        assert dtypes(new.model_state) == {"float32"}
+        assert_trees_differ(new.model_state, state.model_state)  # applied: statistics move
+    else:
+        assert new.model_state is None
+
+    # A batch with an inf gives non-finite gradients: the step is skipped and the params, the
+    # master and the batch-norm statistics stay bit for bit.
+    poisoned = dict(batch)
+    if is_resnet(family):
+        poisoned["image"] = batch["image"].at[0, 0, 0, 0].set(jnp.inf)
+    else:
+        poisoned["mask"] = batch["mask"].at[0, 0].set(jnp.inf)
+    skipped, metrics = step(new, poisoned)
+    assert not bool(metrics["grads_finite"])
+    assert int(metrics["skipped_steps"]) == 1
+    assert_tree_bitwise_equal(skipped.params, new.params)
+    assert_tree_bitwise_equal(skipped.master_params, new.master_params)
+    if is_resnet(family):
+        assert_tree_bitwise_equal(skipped.model_state, new.model_state)
+        assert dtypes(skipped.model_state) == {"float32"}
+    if policy == "mixed_float16":
+        assert float(skipped.loss_scale) == float(new.loss_scale) / 2
+
+
+# --------------------------------------------------------------------------------------------
+# The precision audit: no matmul promoted to fp32, half the saved activations
+# --------------------------------------------------------------------------------------------
+
+def audit(family, policy):
+    _, graphdef, state, _ = setup(family, policy)
+    loss_fn, _ = loss_of(family, graphdef)
+    batch = jaxamp.get_policy(policy).cast_to_compute(make_batch(family))
+    if is_resnet(family):
+        return jaxamp.audit_grad(lambda p, b, s: loss_fn(p, b, model_state=s)[0],
+                                 state.params, batch, state.model_state)
+    return jaxamp.audit_grad(lambda p, b: loss_fn(p, b)[0], state.params, batch)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_audit(family):
+    fp32 = audit(family, "float32")
+    assert fp32.share("float32") == 1.0
+    assert set(fp32.saved_bytes_by_dtype) <= {"float32", "int32"}
+    for policy, half in HALF.items():
+        report = audit(family, policy)
+        assert report.total_matmul_flops == fp32.total_matmul_flops
+        assert report.share(half) >= 0.99, report
+        assert report.fp32_matmuls == [], report
+        # Statistics, softmaxes, GELU, bias gradients and the loss reduce in fp32.
+        assert report.half_sensitive_ops == [], report
+        # What is saved for backward is the half-precision activations plus small fp32
+        # statistics: about half of the fp32 model's bytes.
+        assert report.saved_bytes <= 0.55 * fp32.saved_bytes, report
+        fp32_saved = report.saved_bytes_by_dtype.get("float32", 0)
+        assert fp32_saved <= 0.05 * report.saved_bytes, report
+
+
+# --------------------------------------------------------------------------------------------
+# Published configs: built abstractly, param counts
+# --------------------------------------------------------------------------------------------
+
+def bert_mlm_params(vocab, width, depth, mlp, max_len=512, type_vocab=2):
+    """BERT with the MLM head and tied decoder (HF ``BertForMaskedLM``), by hand."""
+    embeddings = (vocab + max_len + type_vocab) * width + 2 * width
+    layer = 4 * (width * width + width) + 2 * (2 * width) + width * mlp + mlp + mlp * width + width
+    head = width * width + width + 2 * width + vocab
+    return embeddings + depth * layer + head
+
+
+def gpt_params(vocab, width, depth, mlp, max_len):
+    """GPT-2 with tied embeddings, by hand."""
+    layer = 4 * (width * width + width) + 2 * (2 * width) + width * mlp + mlp + mlp * width + width
+    return (vocab + max_len) * width + depth * layer + 2 * width
+
+
+@pytest.mark.parametrize("name, overrides, expected, published", [
+    ("resnet18", {}, 11_689_512, 11.7e6),        # torchvision resnet18
+    ("resnet50", {}, 25_557_032, 25.6e6),        # torchvision resnet50
+    ("bert_base", {}, bert_mlm_params(30522, 768, 12, 3072), 110e6),
+    ("bert_large", {}, bert_mlm_params(30522, 1024, 24, 4096), 335e6),
+    ("gpt_small", {"vocab": 50257}, 124_439_808, 124e6),   # GPT-2 small (BPE vocabulary)
+    ("gpt_small", {}, gpt_params(256, 768, 12, 3072, 1024), 86e6),
+])
+def test_published_param_counts(name, overrides, expected, published):
+    model = nnx.eval_shape(lambda: models.build(name, "mixed_bfloat16", **overrides))
+    leaves = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == F32 for x in leaves)
+    count = models.param_count(model)
+    assert count == expected
+    assert abs(count - published) / published < 0.02
+
+
+def test_config_shapes():
+    cfg = models.config_of("bert_large")
+    assert (cfg.depth, cfg.width, cfg.heads, cfg.mlp) == (24, 1024, 16, 4096)
+    cfg = models.config_of("bert_base")
+    assert (cfg.depth, cfg.width, cfg.heads, cfg.mlp) == (12, 768, 12, 3072)
+    cfg = models.config_of("gpt_small")
+    assert (cfg.depth, cfg.width, cfg.heads, cfg.mlp, cfg.vocab) == (12, 768, 12, 3072, 256)
+    assert models.config_of("gpt_tiny").vocab == 256
+    assert models.config_of("resnet50_small", num_classes=100).num_classes == 100
+
+
+# --------------------------------------------------------------------------------------------
+# Learning, the functional bridge, errors
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["resnet18_small", "gpt_tiny"])
+def test_loss_decreases_mixed_bfloat16(family):
+    _, _, state, step = setup(family, "mixed_bfloat16")
+    batch = make_batch(family)
+    losses = []
+    for _ in range(20):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert int(metrics["skipped_steps"]) == 0
+    assert np.isfinite(losses).all()
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert np.mean(losses[-5:]) < np.mean(losses[5:10]) < np.mean(losses[:5]), losses
+    assert float(metrics["aux"]["accuracy"]) > 0.5
+
+
+def test_split_merge_round_trip():
+    model, graphdef, state, _ = setup("resnet18_small", "float32")
+    _, params, model_state = models.split(model)
+    assert isinstance(params, dict) and isinstance(model_state, dict)
+    paths = {jaxamp.tree_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    assert {"stem/kernel", "blocks/0/conv1/kernel", "blocks/1/downsample/norm/scale",
+            "head/kernel", "head/bias"} <= paths
+    stats = {jaxamp.tree_path_str(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(model_state)[0]}
+    assert "stem_norm/mean" in stats and "stem_norm/var" in stats
+    assert not any(p.endswith(("/mean", "/var")) for p in paths)
+    assert models.param_count(params) == models.param_count(model)
+    assert_tree_bitwise_equal(models.split(models.merge(graphdef, params, model_state))[1],
+                              params)
+    assert models.split(setup("gpt_tiny", "float32")[0])[2] is None
+
+
+def test_eval_loss_keeps_running_statistics():
+    _, graphdef, state, _ = setup("resnet18_small", "mixed_bfloat16")
+    batch = state.policy.cast_to_compute(make_batch("resnet18_small"))
+    eval_fn = jit(models.classification_loss(graphdef, train=False))
+    loss, new_state, aux = eval_fn(state.params, batch, model_state=state.model_state)
+    assert loss.dtype == F32 and aux["accuracy"].dtype == F32
+    assert_tree_bitwise_equal(new_state, state.model_state)
+
+
+def test_gpt_is_causal():
+    _, graphdef, state, _ = setup("gpt_tiny", "float32")
+    forward = jit(lambda p, t: models.merge(graphdef, p)(t))
+    tokens = make_batch("gpt_tiny")["tokens"]
+    changed = tokens.at[:, 10].set(0)
+    a, b = forward(state.params, tokens), forward(state.params, changed)
+    np.testing.assert_array_equal(np.asarray(a[:, :10]), np.asarray(b[:, :10]))
+    assert not np.allclose(np.asarray(a[:, 10:]), np.asarray(b[:, 10:]))
+
+
+def test_lm_loss_shifts_tokens_without_targets():
+    _, graphdef, state, _ = setup("gpt_tiny", "float32")
+    batch = make_batch("gpt_tiny")
+    window = jnp.concatenate([batch["tokens"], batch["targets"][:, -1:]], axis=1)
+    loss_fn = jit(models.lm_loss(graphdef))
+    with_targets, _ = loss_fn(state.params, {"tokens": batch["tokens"],
+                                             "targets": batch["targets"]})
+    shifted, _ = loss_fn(state.params, {"tokens": window})
+    np.testing.assert_allclose(float(shifted), float(with_targets), rtol=1e-6)
+
+
+def test_build_errors():
+    with pytest.raises(ValueError, match="unknown model 'resnet7'"):
+        models.build("resnet7")
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) \['depht'\]"):
+        models.build("gpt_tiny", depht=3)
+    with pytest.raises(ValueError, match="num_classes is for ResNets"):
+        models.build("bert_tiny", num_classes=3)
+    with pytest.raises(ValueError, match="not a multiple of heads"):
+        models.build("gpt_tiny", width=30, heads=4)
+    with pytest.raises(ValueError, match="block must be"):
+        models.build("resnet18", block="wide")
+    model = nnx.eval_shape(lambda: models.build("gpt_tiny", max_len=8))
+    with pytest.raises(ValueError, match="exceeds max_len 8"):
+        model(jnp.zeros((1, 9), jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# The fp32 layers: gradients equal plain autodiff, half-precision in, half-precision out
+# --------------------------------------------------------------------------------------------
+
+def ref_batch_norm(x, scale, bias, residual, relu, eps=1e-5):
+    axes = tuple(range(x.ndim - 1))
+    mean = x.mean(axes)
+    y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(axes) + eps) * scale + bias
+    y = y if residual is None else y + residual
+    return jax.nn.relu(y) if relu else y
+
+
+def ref_layer_norm(x, scale, bias, eps=1e-6):
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
+
+
+def normal(seed, shape, scale=1.0, shift=0.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * scale + shift, F32)
+
+
+MASK = jnp.tril(jnp.ones((6, 6), bool))
+IDS = jnp.array([[1, 1, 2], [3, 1, 7]])
+LABELS = jnp.array([[0, 4, 4], [2, 1, 0]])
+LAYER_CASES = {
+    "batch_norm": (lambda x, s, b: layers.batch_norm_train(x, s, b)[0],
+                   lambda x, s, b: ref_batch_norm(x, s, b, None, False),
+                   [normal(0, (4, 3, 3, 5), 3.0, 1.0), normal(1, (5,)), normal(2, (5,))]),
+    "batch_norm_residual_relu": (
+        lambda x, s, b, r: layers.batch_norm_train(x, s, b, residual=r, relu=True)[0],
+        lambda x, s, b, r: ref_batch_norm(x, s, b, r, True),
+        [normal(3, (4, 3, 3, 5), 3.0, 1.0), normal(4, (5,)), normal(5, (5,)),
+         normal(6, (4, 3, 3, 5))]),
+    "layer_norm": (layers.layer_norm, ref_layer_norm,
+                   [normal(7, (2, 3, 16), 2.0, 0.5), normal(8, (16,)), normal(9, (16,))]),
+    "attention_softmax": (
+        lambda s: layers.attention_softmax(s, MASK, scale=0.3),
+        lambda s: jax.nn.softmax(jnp.where(MASK, s * 0.3, -1e30), axis=-1),
+        [normal(10, (2, 3, 6, 6), 2.0)]),
+    "gelu": (layers.gelu, jax.nn.gelu, [normal(11, (40,), 3.0)]),
+    "cross_entropy": (lambda x: layers.softmax_cross_entropy(x, LABELS),
+                      lambda x: optax.softmax_cross_entropy_with_integer_labels(x, LABELS),
+                      [normal(12, (2, 3, 5), 3.0)]),
+    "embed_lookup": (lambda t: layers.embed_lookup(t, IDS), lambda t: t[IDS],
+                     [normal(13, (8, 4))]),
+    "bias_add": (layers.bias_add, jnp.add, [normal(14, (2, 3, 4)), normal(15, (3, 4))]),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_layer_matches_autodiff(case):
+    fn, ref, args = LAYER_CASES[case]
+    out_shape = jax.eval_shape(ref, *args).shape
+    cotangent = normal(99, out_shape)
+    argnums = tuple(range(len(args)))
+
+    def vjp_of(f):
+        return jit(jax.value_and_grad(
+            lambda *a: jnp.vdot(f(*a).astype(F32), cotangent), argnums))
+
+    (value, grads), (ref_value, ref_grads) = vjp_of(fn)(*args), vjp_of(ref)(*args)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * float(jnp.abs(r).max()))
+
+    # Half-precision inputs: the output and the gradients keep the input dtypes, and agree
+    # with the fp32 reference to half-precision accuracy (the math inside is fp32).
+    half = [a.astype(BF16) for a in args]
+    out = jit(fn)(*half)
+    if case != "cross_entropy":
+        assert out.dtype == BF16
+    else:
+        assert out.dtype == F32
+    value, grads = vjp_of(fn)(*half)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert g.dtype == BF16
+        err = float(jnp.abs(g.astype(F32) - r).max()) / float(jnp.abs(r).max())
+        assert err < 3e-2, (case, err)
+
+
+def test_batch_norm_running_statistics():
+    norm = layers.BatchNorm(3, dtype=BF16, momentum=0.9)
+    x = normal(20, (6, 2, 2, 3), 2.0, 1.0)
+    y = norm(x, train=True)
+    assert y.dtype == BF16
+    assert norm.mean[...].dtype == F32 and norm.var[...].dtype == F32
+    x32 = np.asarray(x.astype(BF16).astype(F32))
+    np.testing.assert_allclose(norm.mean[...], 0.1 * x32.mean((0, 1, 2)), rtol=1e-5)
+    np.testing.assert_allclose(norm.var[...], 0.9 + 0.1 * x32.var((0, 1, 2)), rtol=1e-5)
+    # Eval mode normalizes with the fp32 running statistics and leaves them alone.
+    before = np.asarray(norm.mean[...])
+    y = norm(x, train=False)
+    assert y.dtype == BF16
+    np.testing.assert_array_equal(norm.mean[...], before)
