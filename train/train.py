@@ -223,12 +223,15 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
         batches.restore(tuple(restored.data))
 
     step, state, put, unput = _layout(config, step_fn, state)
+    # A host thread keeps the next batches ready; its state() is the position of the batches
+    # actually consumed, which is what a checkpoint must hold.
+    feed = data_lib.prefetch(batches, size=2)
 
     def save(at: int):
         host_state = unput(state)
         manager.save(at, args=ocp.args.Composite(
             state=ocp.args.StandardSave(host_state),
-            data=ocp.args.JsonSave(list(batches.state()))),
+            data=ocp.args.JsonSave(list(feed.state()))),
             force=True)
         manager.wait_until_finished()
 
@@ -240,7 +243,7 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     with _Stop() as stop:
         t_last, n_last = time.perf_counter(), start
         for i in range(start, config.steps):
-            state, metrics = step(state, put(next(batches)))
+            state, metrics = step(state, put(next(feed)))
             done = i + 1
             if done % config.log_every == 0 or done == config.steps:
                 row = {k: _scalar(v) for k, v in metrics.items() if k != "aux"}
@@ -262,6 +265,7 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
                 save(done)
                 stopped = done
                 break
+    feed.close()
     if bar is not None:
         bar.close()
     logger.close()
