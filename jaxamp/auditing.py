@@ -307,7 +307,13 @@ def _saved_residuals(fn: Callable, args: tuple, kwargs: dict,
 
 @dataclasses.dataclass
 class AuditReport:
-    """What :func:`audit` found. ``to_dict()`` gives plain Python for tests and logs."""
+    """What :func:`audit` found. ``to_dict()`` gives plain Python for tests and logs.
+
+    >>> import jax.numpy as jnp
+    >>> report = audit(lambda w, x: x @ w, jnp.ones((8, 4), jnp.bfloat16), jnp.ones((2, 8)))
+    >>> report.fp32_matmul_share, report.to_dict()["fp32_sources"]
+    (1.0, {'input': 128.0})
+    """
 
     title: str
     matmul_flops_by_operands: dict[str, float]

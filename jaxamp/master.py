@@ -88,7 +88,12 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
 
 
 class GradStats(NamedTuple):
-    """What one pass over the gradients tells: see :func:`grad_stats`."""
+    """What one pass over the gradients tells: see :func:`grad_stats`.
+
+    >>> import jax.numpy as jnp
+    >>> grad_stats({"w": jnp.array([3.0, 4.0])})._fields
+    ('finite', 'norm', 'nonfinite_leaves', 'first_nonfinite_leaf')
+    """
 
     finite: jax.Array
     norm: jax.Array

@@ -46,7 +46,13 @@ class OverflowEvent:
 
 @dataclasses.dataclass
 class OverflowReport:
-    """What :func:`explain_overflow` found."""
+    """What :func:`explain_overflow` found.
+
+    >>> r = OverflowReport(events=[], nonfinite_grads=[], loss=0.5, loss_scale=1.0)
+    >>> print(r)
+    jaxamp overflow report: loss 0.5 at loss scale 1
+      every activation and gradient is finite
+    """
 
     events: list[OverflowEvent]
     nonfinite_grads: list[str]
