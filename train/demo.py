@@ -16,17 +16,13 @@ import numpy as np
 import optax
 
 import jaxamp
+from train import data
 
 
 def load_digits(seed: int = 0):
-    from sklearn.datasets import load_digits as sk_load_digits
-    data = sk_load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.int32)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], y[order]
-    n_train = int(0.8 * len(x))
-    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+    """Flattened digits, split 80/20: ``((x_train, y_train), (x_eval, y_eval))``."""
+    train, held_out = data.split(data.load_digits(), 0.2, seed)
+    return tuple((d["image"].reshape(len(d["image"]), -1), d["label"]) for d in (train, held_out))
 
 
 def init_mlp(key, sizes=(64, 256, 256, 10)):
