@@ -182,6 +182,7 @@ def make_train_step(
     axis_name: str | None = None,
     reduce_dtype: DTypeLike = jnp.float32,
     warn_fp32_matmuls: bool = True,
+    sync_model_state: bool = True,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
@@ -203,6 +204,9 @@ def make_train_step(
         the gradients are summed in fp32 and the optimizer runs once.
       axis_name: the pmap/shard_map axis to average gradients, loss and metrics over.
       reduce_dtype: dtype of the cross-device gradient mean (fp32, or bf16 to halve traffic).
+      sync_model_state: with ``axis_name`` and ``has_model_state``, average the floating
+        leaves of the new model state (BatchNorm running statistics) over the axis, so that
+        replicas stay identical. Integer leaves are kept per device.
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
         in fp32 (a promotion by an fp32 param or activation).
 
@@ -296,6 +300,11 @@ def make_train_step(
         if axis_name is not None:
             grads = jax.tree.map(lambda g: lax.pmean(g.astype(reduce_dtype), axis_name), grads)
             loss = lax.pmean(loss, axis_name)
+            if has_model_state and sync_model_state:
+                new_model_state = jax.tree.map(
+                    lambda x: lax.pmean(x, axis_name)
+                    if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x,
+                    new_model_state)
 
         if mp is not None:
             _, opt_state = state.tx.update(grads, state.opt_state, state.params)

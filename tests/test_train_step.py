@@ -330,6 +330,28 @@ def test_model_state_is_threaded_through_micro_batches():
     assert_tree_bitwise_equal(state.model_state, before.model_state)
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_model_state_is_averaged_over_devices_under_pmap(sync):
+    """BatchNorm-style statistics stay identical on every replica, and equal the global ones."""
+    state = make_state("float32", model_state=initial_model_state())
+    batch = make_batch()
+    step = jaxamp.make_train_step(stats_loss, has_aux=True, has_model_state=True)
+    ref, _ = jax.jit(step)(state, batch)
+
+    pstep = jax.pmap(jaxamp.make_train_step(stats_loss, has_aux=True, has_model_state=True,
+                                            axis_name="batch", sync_model_state=sync),
+                     axis_name="batch")
+    out, _ = pstep(jaxamp.replicate(state), jaxamp.shard_batch(batch))
+    means = np.asarray(out.model_state["mean"])
+    assert means.shape == (N_DEVICES, 4)
+    assert np.asarray(out.model_state["count"]).tolist() == [1] * N_DEVICES
+    if sync:
+        assert (means == means[0]).all()
+        np.testing.assert_allclose(means[0], np.asarray(ref.model_state["mean"]), rtol=1e-6)
+    else:
+        assert not (means == means[0]).all()
+
+
 def test_loss_with_model_state_only():
     def loss_fn(params, batch, model_state):
         loss, new_state, _ = stats_loss(params, batch, model_state)
