@@ -28,7 +28,9 @@ demo: $(STAMP)
 	$(PY) -m train --compare auto,mixed_float16 --workdir runs/demo
 
 bench: $(STAMP)
-	$(PY) -m train.bench_overhead
+	$(PY) -m train.bench overhead
+	$(PY) -m train.bench memory
+	$(PY) -m train.bench torch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs

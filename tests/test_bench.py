@@ -1,0 +1,113 @@
+"""The benchmark suites run at a tiny size, write every field, and compare like with like."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from train import bench
+
+OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_apply_if_finite",
+                     "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4"]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    results = bench.main(["all", "--tiny", "--out", str(out)])
+    return out, results
+
+
+def test_overhead_suite_writes_every_field(tiny_runs):
+    out, results = tiny_runs
+    rows = read_jsonl(out / "overhead.jsonl")
+    assert [r["variant"] for r in rows] == OVERHEAD_VARIANTS
+    for r in rows:
+        for key in ("median_ms", "time_vs_bare_bf16", "time_vs_fp32", "gflops",
+                    "gbytes_accessed", "bytes_vs_bare_bf16", "bytes_vs_fp32", "entry_ops",
+                    "saved_mb", "saved_vs_fp32"):
+            assert isinstance(r[key], int | float) and np.isfinite(r[key]) and r[key] > 0, key
+    by = {r["variant"]: r for r in rows}
+    assert by["bare_bf16"]["time_vs_bare_bf16"] == 1.0 and by["fp32"]["time_vs_fp32"] == 1.0
+    # bf16 compute saves fewer activation bytes than fp32; accumulation saves a quarter batch.
+    assert by["jaxamp_mixed_bf16"]["saved_mb"] < by["fp32"]["saved_mb"]
+    assert by["jaxamp_bf16_accum4"]["saved_mb"] < by["jaxamp_mixed_bf16"]["saved_mb"] / 3
+    assert (out / "overhead.png").stat().st_size > 1000
+
+
+def test_memory_suite_writes_every_field(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "memory.jsonl")
+    assert len(rows) == 10
+    for r in rows:
+        for key in ("saved_mb", "saved_vs_fp32", "state_mb", "state_vs_fp32"):
+            assert r[key] > 0, key
+    by = {(r["model"], r["variant"]): r for r in rows}
+    for model in ("ResNet (tiny)", "BERT (tiny)"):
+        assert by[(model, "jaxamp mixed_bfloat16")]["saved_vs_fp32"] < 0.55
+        # The jmp recipe's params cast does not make the fp32 layers compute in bf16.
+        assert by[(model, "jmp recipe (Linen)")]["saved_vs_fp32"] > 1.0
+        # Master weights cost a bf16 working copy on top of fp32 params and adam's moments.
+        np.testing.assert_allclose(by[(model, "jaxamp mixed_bfloat16")]["state_vs_fp32"],
+                                   14 / 12, rtol=1e-3)
+    assert (out / "memory.png").exists()
+
+
+def test_torch_suite_runs_or_says_it_skipped(tiny_runs):
+    out, results = tiny_runs
+    rows = read_jsonl(out / "torch.jsonl")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert rows == [{"suite": "torch", "skipped": "torch is not installed"}]
+        return
+    assert {r["system"] for r in rows} == {"jax fp32", "jaxamp mixed_bfloat16", "PyTorch fp32",
+                                           "PyTorch autocast-bf16"}
+    assert all(r["median_ms"] > 0 and r["vs_torch_autocast"] > 0 for r in rows)
+
+
+def test_gpu_suite_at_a_tiny_size(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "gpu.jsonl")
+    assert [(r["model"], r["precision"]) for r in rows] == [
+        (m, p) for m in ("resnet50", "bert_large") for p in bench.GPU_PRECISIONS]
+    for r in rows:
+        assert r["per_s"] > 0 and r["tflops"] > 0 and np.isfinite(r["loss"])
+        assert r["unit"] == ("img/s" if r["model"] == "resnet50" else "seq/s")
+        assert r["vs_fp32_strict"] > 0 and r["vs_tf32"] > 0
+
+
+def test_gpu_suite_says_it_skipped_without_a_gpu(tmp_path, capsys):
+    if jax.devices()[0].platform == "gpu":
+        pytest.fail("these tests run on the CPU")
+    assert bench.main(["gpu", "--out", str(tmp_path)]) == {"gpu": []}
+    assert "no GPU here" in capsys.readouterr().out
+
+
+def test_peer_steps_compute_the_same_first_loss():
+    """A fair comparison: every variant trains the same model on the same batch."""
+    cfg, batch_size = bench.encoder_config(tiny=True)
+    variants, batch = bench.overhead_variants(cfg, batch_size)
+    losses = bench.first_step_losses(variants, batch)
+    ref = losses["jaxamp_mixed_bf16"]
+    assert set(losses) == set(OVERHEAD_VARIANTS)
+    for name, value in losses.items():
+        assert abs(value - ref) <= 2e-2 * abs(ref), (name, value, ref)
+
+
+def test_peer_steps_train():
+    """Ten steps of each variant lower the loss on a repeated batch (the steps are real)."""
+    cfg, batch_size = bench.encoder_config(tiny=True)
+    variants, batch = bench.overhead_variants(cfg, batch_size, lr=1e-2)
+    for name, v in variants.items():
+        step, state = jax.jit(v.step), v.fresh()
+        state, first = step(state, batch)
+        for _ in range(10):
+            state, last = step(state, batch)
+        assert float(last) < float(first) - 0.1, name
