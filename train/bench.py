@@ -3,6 +3,7 @@
     python -m train.bench overhead [--rounds 30]   # CPU: the AMP machinery's cost per step
     python -m train.bench memory                   # saved activations and optimizer-state bytes
     python -m train.bench torch [--rounds 20]      # PyTorch autocast against jaxamp, alternated
+    python -m train.bench cpu_flags                # the torch suite under each XLA:CPU option
     python -m train.bench gpu                      # throughput, MFU and peak memory on a GPU
     python -m train.bench all --tiny               # every suite at a tiny size (what the tests run)
 
@@ -299,11 +300,22 @@ def first_step_losses(variants: dict[str, Variant], batch) -> dict[str, float]:
 
 def suite_overhead(args) -> list[dict]:
     cfg, batch_size = encoder_config(args.tiny)
-    variants, batch = overhead_variants(cfg, batch_size)
+    variants, batch = overhead_variants(cfg, batch_size, lr=1e-2 if args.tiny else 1e-3)
     compiled, states = compile_variants(variants, batch)
     costs = {k: cost(c) for k, c in compiled.items()}
-    secs = time_interleaved({k: stepper(compiled, states, k, batch) for k in variants},
-                            args.rounds)
+    # The first step's loss from a fresh state: every variant must train the same model.
+    first = {k: float(compiled[k](v.fresh(), batch)[1]) for k, v in variants.items()}
+    last: dict[str, float] = {}
+
+    def runner(name):
+        run = stepper(compiled, states, name, batch)
+
+        def run_and_keep_loss():
+            run()
+            last[name] = float(compiled[name](jax.tree.map(jnp.copy, states[name]), batch)[1])
+        return run if not args.tiny else run_and_keep_loss
+
+    secs = time_interleaved({k: runner(k) for k in variants}, args.rounds)
     rows = []
     for name, v in variants.items():
         saved = v.saved() if v.saved else None
@@ -317,6 +329,7 @@ def suite_overhead(args) -> list[dict]:
             "bytes_vs_fp32": costs[name]["bytes"] / costs["fp32"]["bytes"],
             "entry_ops": entry_op_count(compiled[name]),
             "saved_mb": None if saved is None else saved / 1e6,
+            "first_loss": first[name], "last_loss": last.get(name),
         })
     fp32_saved = rows[0]["saved_mb"]
     for r in rows:
@@ -525,13 +538,19 @@ def torch_encoder_step(cfg: encoder.EncoderConfig, batch: dict, amp: bool, lr: f
     return step
 
 
+def _skip_without_torch(suite: str, out: str) -> bool:
+    if importlib.util.find_spec("torch") is not None:
+        return False
+    print(f"## {suite}\n\ntorch is not installed: suite skipped (`pip install torch==2.13.0` "
+          "takes the CPU build).\n", flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{suite}.jsonl"), "w") as f:
+        f.write(json.dumps({"suite": suite, "skipped": "torch is not installed"}) + "\n")
+    return True
+
+
 def suite_torch(args) -> list[dict]:
-    if importlib.util.find_spec("torch") is None:
-        print("## torch\n\ntorch is not installed: suite skipped (`pip install torch==2.13.0` "
-              "takes the CPU build).\n", flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "torch.jsonl"), "w") as f:
-            f.write(json.dumps({"suite": "torch", "skipped": "torch is not installed"}) + "\n")
+    if _skip_without_torch("torch", args.out):
         return []
     import torch
     cfg, batch_size = encoder_config(args.tiny)
@@ -540,7 +559,9 @@ def suite_torch(args) -> list[dict]:
     jax_names = {"jax fp32": "fp32", "jaxamp mixed_bfloat16": "jaxamp_mixed_bf16"}
     compiled, states = compile_variants({v: variants[v] for v in jax_names.values()}, batch)
     runners: dict[str, Callable[[], None]] = {}
+    first_loss: dict[str, float] = {}
     for label, name in jax_names.items():
+        first_loss[label] = float(compiled[name](variants[name].fresh(), batch)[1])
         runners[label] = stepper(compiled, states, name, batch)
     for label, amp in (("PyTorch fp32", False), ("PyTorch autocast-bf16", True)):
         step = torch_encoder_step(cfg, batch, amp)
@@ -548,7 +569,8 @@ def suite_torch(args) -> list[dict]:
     secs = time_interleaved(runners, args.rounds)
     ref = secs["PyTorch autocast-bf16"]
     rows = [{"system": k, "median_ms": 1e3 * s, "vs_torch_autocast": s / ref,
-             "vs_torch_fp32": s / secs["PyTorch fp32"]} for k, s in secs.items()]
+             "vs_torch_fp32": s / secs["PyTorch fp32"], "first_loss": first_loss.get(k),
+             "xla_flags": os.environ.get("XLA_FLAGS", "")} for k, s in secs.items()]
     best = min(("jax fp32", "jaxamp mixed_bfloat16"), key=secs.__getitem__)
     header = (f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads); "
               f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; encoder {cfg}, batch "
@@ -694,8 +716,61 @@ def suite_gpu(args) -> list[dict]:
     return rows
 
 
+# XLA:CPU options for dots and convolutions (from ``XLA_FLAGS=--helpfull`` of jaxlib 0.10.2).
+CPU_FLAG_SETS = {
+    "default": "",
+    "oneDNN fusion: dot": "--xla_cpu_experimental_onednn_fusion_type=dot",
+    "oneDNN custom calls": "--xla_cpu_use_onednn=true "
+                           "--xla_cpu_experimental_onednn_custom_call=true",
+    "XNNPACK fusion: dot": "--xla_cpu_experimental_xnn_fusion_type=dot",
+    "YNNPACK fusion: dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
+    "YNNPACK: dot, conv": "--xla_cpu_experimental_ynn_fusion_type="
+                          "individual_dot,individual_convolution",
+}
+
+
+def suite_cpu_flags(args) -> list[dict]:
+    """The torch suite once per XLA:CPU flag set, each in its own process (XLA reads its flags
+    once), with PyTorch autocast as the yardstick inside every process."""
+    import subprocess
+    import tempfile
+    if _skip_without_torch("cpu_flags", args.out):
+        return []
+    rows: list[dict] = []
+    ref_loss: dict[str, float] = {}
+    flag_sets = list(CPU_FLAG_SETS.items())[:2] if args.tiny else CPU_FLAG_SETS.items()
+    for label, flags in flag_sets:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "train.bench", "torch", "--rounds", str(args.rounds),
+                   "--out", tmp] + (["--tiny"] if args.tiny else [])
+            env = {**os.environ, "XLA_FLAGS": flags}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            path = os.path.join(tmp, "torch.jsonl")
+            if proc.returncode != 0 or not os.path.exists(path):
+                rows.append({"flags": label, "error": proc.stderr.strip().splitlines()[-1:]})
+                continue
+            got = {r["system"]: r for r in map(json.loads, open(path)) if "system" in r}
+        for system in ("jax fp32", "jaxamp mixed_bfloat16"):
+            r = got[system]
+            ref_loss.setdefault(system, r["first_loss"])
+            rows.append({"flags": label, "xla_flags": flags, "system": system,
+                         "median_ms": r["median_ms"], "vs_torch_autocast": r["vs_torch_autocast"],
+                         "torch_autocast_ms": got["PyTorch autocast-bf16"]["median_ms"],
+                         "first_loss": r["first_loss"],
+                         "loss_vs_default": r["first_loss"] / ref_loss[system] - 1,
+                         "label": f"{label} / {system.split()[-1]}"})
+    header = (f"{machine()}; one process per flag set, each timing the jax steps alternated with "
+              f"PyTorch autocast-bf16 ({args.rounds} rounds); `loss_vs_default`: the first "
+              "step's loss against the default flags' (a flag must not change the numerics "
+              "beyond rounding).")
+    write_outputs("cpu_flags", rows, ["flags", "system", "median_ms", "vs_torch_autocast",
+                                      "torch_autocast_ms", "loss_vs_default"], args.out,
+                  ("label", "vs_torch_autocast"), header)
+    return rows
+
+
 SUITES = {"overhead": suite_overhead, "memory": suite_memory, "torch": suite_torch,
-          "gpu": suite_gpu}
+          "cpu_flags": suite_cpu_flags, "gpu": suite_gpu}
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
