@@ -55,11 +55,13 @@ def all_finite(tree: Any) -> jax.Array:
 def _to_f32_scalar(value: Any, name: str) -> Any:
     """Converts a python number to an fp32 scalar array; leaves traced or abstract values alone."""
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+        raise TypeError(f"{name} must be a number, got {value!r}; pass a float such as "
+                        "2.0**16 (the default initial scale)")
     if isinstance(value, int | float):
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}; "
-                             "a loss scale of 0, a negative, inf or nan cannot unscale gradients")
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}: a loss scale "
+                             "of 0, a negative, inf or nan cannot unscale gradients; pass a "
+                             "power of two such as 2.0**16 (the default initial scale)")
         return jnp.asarray(value, jnp.float32)
     return value
 
@@ -139,6 +141,22 @@ class _LossScaleMethods:
     def replace(self, **changes: Any):
         """A copy with some fields changed (hyperparameters are re-validated)."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def at_min_scale(self) -> jax.Array:
+        """A scalar bool: True when the scale cannot back off any further.
+
+        A fixed scale (:class:`NoOpLossScale`, :class:`StaticLossScale`) is always at its
+        minimum; a :class:`DynamicLossScale` is once it has reached ``min_scale``. A non-finite
+        step taken at the minimum scale is one that loss scaling cannot fix.
+
+        >>> import jax.numpy as jnp
+        >>> bool(StaticLossScale(2.0**12).at_min_scale())
+        True
+        >>> s = DynamicLossScale(loss_scale=4.0, min_scale=2.0)
+        >>> bool(s.at_min_scale()), bool(s.adjust(jnp.array(False)).at_min_scale())
+        (False, True)
+        """
+        return jnp.array(True)
 
 
 @_state_dataclass
@@ -239,27 +257,33 @@ class DynamicLossScale(_LossScaleMethods):
         object.__setattr__(self, "hysteresis_left", _to_i32_scalar(left))
 
     def _validate(self):
-        def number(name, value):
+        def number(name, value, fix):
             if isinstance(value, bool) or not isinstance(value, int | float) \
                     or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise ValueError(f"{name} must be a finite number, got {value!r}; {fix}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
                 or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
-        number("growth_factor", self.growth_factor)
+            raise ValueError(f"growth_interval must be an int >= 1, got "
+                             f"{self.growth_interval!r}; it counts the consecutive finite steps "
+                             "before the scale grows (GradScaler's default is 2000)")
+        grow_fix = "use 2.0 (the default); StaticLossScale is a scale that never grows"
+        number("growth_factor", self.growth_factor, grow_fix)
         if self.growth_factor <= 1:
             raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}; "
-                             "use StaticLossScale for a scale that never grows")
-        number("backoff_factor", self.backoff_factor)
+                             f"{grow_fix}")
+        back_fix = "use 0.5 (the default), which halves the scale on overflow"
+        number("backoff_factor", self.backoff_factor, back_fix)
         if not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}; "
-                             "0.5 halves the scale on overflow")
+                             f"{back_fix}")
         for name in ("min_scale", "max_scale"):
             value = getattr(self, name)
             if value is not None:
-                number(name, value)
+                bound_fix = (f"pass a positive bound such as {name}="
+                             f"{'1.0' if name == 'min_scale' else '2.0**24'}, or None for none")
+                number(name, value, bound_fix)
                 if value <= 0:
-                    raise ValueError(f"{name} must be > 0, got {value!r}")
+                    raise ValueError(f"{name} must be > 0, got {value!r}; {bound_fix}")
         if self.min_scale is not None and self.max_scale is not None \
                 and self.min_scale > self.max_scale:
             raise ValueError(f"min_scale ({self.min_scale!r}) must be <= max_scale "
@@ -267,16 +291,24 @@ class DynamicLossScale(_LossScaleMethods):
         if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) \
                 or self.hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1, got {self.hysteresis!r}; "
-                             "1 backs off on every overflow, n at the n-th")
+                             "1 (the default) backs off on every overflow, n at the n-th")
         if self.hysteresis_refill not in ("growth", "finite"):
             raise ValueError(f"hysteresis_refill must be 'growth' or 'finite', got "
-                             f"{self.hysteresis_refill!r}")
+                             f"{self.hysteresis_refill!r}; 'growth' (the default) refills the "
+                             "budget when the scale grows, 'finite' on every finite step")
+
+    def _min_scale(self) -> float:
+        return _F32_TINY if self.min_scale is None else self.min_scale
+
+    def at_min_scale(self) -> jax.Array:
+        """True when the scale is at ``min_scale`` (by default the smallest normal fp32)."""
+        return jnp.asarray(self.loss_scale <= jnp.float32(self._min_scale()), jnp.bool_)
 
     def adjust(self, grads_finite: ArrayLike) -> DynamicLossScale:
         """Returns the state after a step whose (unscaled) gradients were ``grads_finite``."""
         finite = jnp.asarray(grads_finite, jnp.bool_)
         scale = self.loss_scale
-        min_scale = _F32_TINY if self.min_scale is None else self.min_scale
+        min_scale = self._min_scale()
         max_scale = float(jnp.finfo(jnp.float32).max) if self.max_scale is None \
             else self.max_scale
 

@@ -14,6 +14,10 @@ state and counters. ``update(scaled_grads, state, params)``:
 
 A non-finite step returns zero updates (``-0.0``, so that even signed zeros are kept) and leaves
 the master params and the inner state, including its step count, bit-identical.
+
+A non-finite update is never applied, however many come in a row. When ``stall_after``
+consecutive steps are non-finite at the minimum loss scale (where backing off cannot help), the
+state reports ``stalled``, so that a training loop can stop and say why.
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class MixedPrecisionState(NamedTuple):
       nonfinite_leaves: int32 number of gradient leaves holding an inf or nan at the last update.
       first_nonfinite_leaf: int32 index (tree order, floating leaves) of the first of them, or
         -1; :func:`nonfinite_leaf_path` gives its path.
+      skips_at_min_scale: int32 count of consecutive non-finite steps taken at the minimum loss
+        scale (see ``LossScale.at_min_scale``); 0 after a finite step (saturates).
+      stalled: bool, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
+        where the loss scale cannot back off any further, so loss scaling cannot fix them.
     """
 
     master_params: Any
@@ -81,6 +89,8 @@ class MixedPrecisionState(NamedTuple):
     grad_norm: jax.Array
     nonfinite_leaves: jax.Array
     first_nonfinite_leaf: jax.Array
+    skips_at_min_scale: jax.Array
+    stalled: jax.Array
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
@@ -198,6 +208,7 @@ def mixed_precision(
     policy: Any = "mixed_bfloat16",
     *,
     loss_scale: LossScale | None = None,
+    stall_after: int | None = 10,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
 
@@ -206,6 +217,11 @@ def mixed_precision(
       policy: anything :func:`jaxamp.get_policy` accepts.
       loss_scale: the initial loss-scale state. Default: ``DynamicLossScale()`` when the
         compute dtype is float16, else ``NoOpLossScale()``.
+      stall_after: the number of consecutive non-finite steps at the minimum loss scale after
+        which the state reports ``stalled`` (``None``: never). The updates are skipped either
+        way; ``stalled`` tells a training loop that loss scaling cannot fix the overflow (a
+        nan in the data, a diverged model) and that it should stop. A fixed scale (static or
+        none) is always at its minimum; a dynamic one once it has backed off to ``min_scale``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
@@ -227,13 +243,20 @@ def mixed_precision(
     policy = get_policy(policy)
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"inner must be an optax.GradientTransformation, got "
-                        f"{type(inner).__name__}; pass e.g. optax.adamw(1e-3)")
+                        f"{type(inner).__name__} {inner!r}; pass e.g. optax.adamw(1e-3)")
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.compute_dtype == jnp.float16 \
             else NoOpLossScale()
     if not isinstance(loss_scale, NoOpLossScale | StaticLossScale | DynamicLossScale):
         raise TypeError(f"loss_scale must be a NoOpLossScale, StaticLossScale or "
-                        f"DynamicLossScale, got {type(loss_scale).__name__}")
+                        f"DynamicLossScale, got {type(loss_scale).__name__} {loss_scale!r}; "
+                        "wrap a number: jaxamp.StaticLossScale(2.0**15), or use "
+                        "jaxamp.DynamicLossScale()")
+    if stall_after is not None and (isinstance(stall_after, bool)
+                                    or not isinstance(stall_after, int) or stall_after < 1):
+        raise ValueError(f"stall_after must be an int >= 1 or None, got {stall_after!r}; it "
+                         "counts consecutive non-finite steps at the minimum loss scale "
+                         "(default 10, None never reports a stall)")
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -244,13 +267,16 @@ def mixed_precision(
         return MixedPrecisionState(
             master_params=master,
             inner_state=inner.init(master),
-            loss_scale=loss_scale,
+            # Fresh buffers too: every init must survive another state's donation.
+            loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
             applied_steps=jnp.zeros((), jnp.int32),
             skipped_steps=jnp.zeros((), jnp.int32),
             grads_finite=jnp.array(True),
             grad_norm=jnp.zeros((), jnp.float32),
             nonfinite_leaves=jnp.zeros((), jnp.int32),
             first_nonfinite_leaf=jnp.full((), -1, jnp.int32),
+            skips_at_min_scale=jnp.zeros((), jnp.int32),
+            stalled=jnp.array(False),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -297,8 +323,13 @@ def mixed_precision(
         # skipped step.
         master, inner_state, kept = lax.cond(
             finite, apply, skip, state.master_params, state.inner_state, updates)
-        # 5. The loss scale.
+        # 5. The loss scale. A skip at the minimum scale (the scale used for this step could
+        # not back off) extends the run that `stalled` watches; any other step ends it.
         new_scale = scale.adjust(finite)
+        at_min = ~finite & scale.at_min_scale()
+        skips_at_min = jnp.where(at_min, _saturating_increment(state.skips_at_min_scale, at_min),
+                                 0).astype(jnp.int32)
+        stalled = jnp.array(False) if stall_after is None else skips_at_min >= stall_after
         # 6. Updates that land the working params on cast(master).
         targets = policy.cast_params_to_compute(master)
         new_updates = jax.tree.map(
@@ -314,6 +345,8 @@ def mixed_precision(
             grad_norm=norm.astype(jnp.float32),
             nonfinite_leaves=nonfinite,
             first_nonfinite_leaf=first_bad,
+            skips_at_min_scale=skips_at_min,
+            stalled=stalled,
         )
         return new_updates, new_state
 
@@ -328,6 +361,13 @@ def _check_same_structure(grads: Any, master: Any) -> None:
             "the gradient tree does not match the params tree given to init: grads have "
             f"structure {g}, params have {m}. Differentiate the loss with respect to the same "
             "params the optimizer was initialised with.")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                            jax.tree.leaves(master), strict=True):
+        if hasattr(x, "shape") and hasattr(y, "shape") and tuple(x.shape) != tuple(y.shape):
+            raise ValueError(
+                f"the gradient of {tree_path_str(path)!r} has shape {tuple(x.shape)} but the "
+                f"param given to init has shape {tuple(y.shape)}; differentiate the loss with "
+                "respect to the same params the optimizer was initialised with.")
 
 
 def find_state(opt_state: Any) -> MixedPrecisionState:
@@ -400,5 +440,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
         raise ValueError(f"the loss must be a scalar, got shape {loss.shape}; reduce it "
                          "(for example jnp.mean) before scaling")
     if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"the loss must be floating, got dtype {loss.dtype}")
+        raise TypeError(f"the loss must be floating, got dtype {loss.dtype}: an integer or "
+                        "bool loss has no gradient; compute it from the model's floating "
+                        "outputs, in float32")
     return get_loss_scale(opt_state).scale(loss.astype(jnp.float32))

@@ -33,7 +33,14 @@ def replicate(tree: Any, devices: list | None = None) -> Any:
     """
     devices = devices if devices is not None else jax.local_devices()
     sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec("devices"))
-    return jax.device_put(jax.tree.map(lambda x: jnp.stack([x] * len(devices)), tree), sharding)
+
+    def stack(x):  # host-side, one transfer per device: no per-shape compilation
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            return jax.device_put(jnp.stack([x] * len(devices)), sharding)
+        x = np.asarray(x)
+        return jax.make_array_from_callback((len(devices), *x.shape), sharding,
+                                            lambda index: x[None])
+    return jax.tree.map(stack, tree)
 
 
 def unreplicate(tree: Any) -> Any:

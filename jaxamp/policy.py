@@ -69,6 +69,16 @@ def _as_float_dtype(value: Any, *, what: str, context: str = "") -> np.dtype:
         raise TypeError(
             f"{what} dtype must be floating, got {dtype.name!r}{context}; integer and bool "
             "dtypes cannot hold params or activations. Use float32, bfloat16 or float16.")
+    if dtype.itemsize < 2:
+        raise ValueError(
+            f"{what} dtype {dtype.name!r}{context} has {8 * dtype.itemsize} bits; a policy casts "
+            "whole params and activations, which needs at least 16. Use bfloat16 or float16 "
+            "(8-bit matmuls need per-tensor scaling, which a policy does not provide).")
+    if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            f"{what} dtype 'float64'{context} cannot run: 64-bit mode is off, so JAX would "
+            "silently compute in float32. Enable it with jax.config.update('jax_enable_x64', "
+            "True) before building the policy, or use float32.")
     return dtype
 
 
@@ -128,12 +138,14 @@ class Policy:
         items = self.overrides.items() if isinstance(self.overrides, Mapping) else self.overrides
         for item in items:
             if not (isinstance(item, tuple | list) and len(item) == 2):
-                raise TypeError(f"overrides must be (regex, dtype) pairs or a dict, got {item!r}")
+                raise TypeError(f"overrides must be (regex, dtype) pairs or a dict, got {item!r}; "
+                                "for example {r'norm': 'float32'}")
             pattern, dtype = item
             try:
                 re.compile(pattern)
             except (re.error, TypeError) as e:
-                raise ValueError(f"override pattern {pattern!r} is not a valid regex: {e}") from e
+                raise ValueError(f"override pattern {pattern!r} is not a valid regex: {e}; "
+                                 "escape a literal name with re.escape") from e
             rules.append((pattern, _as_float_dtype(dtype, what="override",
                                                    context=f" for pattern {pattern!r}")))
         object.__setattr__(self, "overrides", tuple(rules))

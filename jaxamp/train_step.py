@@ -141,8 +141,15 @@ def _split_outputs(out: Any, has_aux: bool, has_model_state: bool):
     if not isinstance(out, tuple) or len(out) != expected:
         shape = {(True, False): "(loss, aux)", (False, True): "(loss, new_model_state)",
                  (True, True): "(loss, new_model_state, aux)"}[(has_aux, has_model_state)]
+        if isinstance(out, tuple):
+            got = f"a tuple of {len(out)}"
+        elif hasattr(out, "shape") and hasattr(out, "dtype"):
+            got = f"a single {jnp.dtype(out.dtype).name}{list(out.shape)} array"
+        else:
+            got = type(out).__name__
         raise ValueError(f"loss_fn must return {shape} with has_aux={has_aux} and "
-                         f"has_model_state={has_model_state}; got {type(out).__name__}")
+                         f"has_model_state={has_model_state}; got {got}. Return that tuple, "
+                         "or set the flags to what loss_fn returns")
     loss = out[0]
     model_state = out[1] if has_model_state else None
     aux = out[-1] if has_aux else None
@@ -155,7 +162,9 @@ def _check_loss(loss: Any) -> jax.Array:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce "
                          "it with jnp.mean (per-example losses are averaged by you)")
     if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}")
+        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}: an "
+                        "integer or bool loss has no gradient; compute it from the model's "
+                        "floating outputs, in float32")
     return loss.astype(jnp.float32)
 
 
@@ -214,7 +223,10 @@ def make_train_step(
     scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
     ``grad_norm`` (of the unscaled, averaged gradients), ``nonfinite_leaves`` and
     ``first_nonfinite_leaf`` (-1, or the index that :func:`jaxamp.nonfinite_leaf_path` maps to
-    the offending param's path).
+    the offending param's path), ``skips_at_min_scale`` (consecutive non-finite steps at the
+    minimum loss scale) and ``stalled`` (True once those reach the ``stall_after`` of
+    :func:`jaxamp.mixed_precision`: loss scaling cannot fix this overflow, so stop and look at
+    the data or the model).
 
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> def loss_fn(params, batch):
@@ -231,15 +243,18 @@ def make_train_step(
     1.0 16384.0 True
     """
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
+                        f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}")
+        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}; 1 (the "
+                         "default) takes one micro-batch per step")
     reduce_dtype = jnp.dtype(reduce_dtype)
     if not jnp.issubdtype(reduce_dtype, jnp.floating):
         raise TypeError(f"reduce_dtype must be floating, got {reduce_dtype}; use float32 "
                         "(default) or bfloat16")
     if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"axis_name must be a string or None, got {axis_name!r}")
+        raise TypeError(f"axis_name must be a string or None, got {axis_name!r}; pass the "
+                        "axis_name given to jax.pmap or shard_map, or None under jax.jit")
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
@@ -313,6 +328,7 @@ def make_train_step(
                 new_mp.grads_finite, new_mp.grad_norm, new_mp.nonfinite_leaves,
                 new_mp.first_nonfinite_leaf)
             skipped = new_mp.skipped_steps
+            skips_at_min, stalled = new_mp.skips_at_min_scale, new_mp.stalled
             params = policy.cast_params_to_compute(new_mp.master_params)
         else:
             finite, norm, nonfinite, first_bad = grad_stats(jax.tree.map(
@@ -321,6 +337,7 @@ def make_train_step(
             params = _select(finite, optax.apply_updates(state.params, updates), state.params)
             opt_state = _select(finite, opt_state, state.opt_state)
             skipped = jnp.zeros((), jnp.int32)
+            skips_at_min, stalled = jnp.zeros((), jnp.int32), jnp.array(False)
         model_state = state.model_state
         if has_model_state:
             model_state = _select(finite, new_model_state, state.model_state)
@@ -333,6 +350,8 @@ def make_train_step(
             "grad_norm": norm,
             "nonfinite_leaves": nonfinite,
             "first_nonfinite_leaf": first_bad,
+            "skips_at_min_scale": skips_at_min,
+            "stalled": stalled,
         }
         if has_aux:
             metrics["aux"] = aux

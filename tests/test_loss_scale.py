@@ -228,12 +228,15 @@ def test_default_growth_on_the_2000th_consecutive_finite_step():
 
 
 def reference_sequence(init_scale, finite_seq, *, growth_interval, growth_factor,
-                       backoff_factor, min_scale, max_scale, hysteresis, hysteresis_refill):
+                       backoff_factor, min_scale, max_scale, hysteresis, hysteresis_refill,
+                       tracker=0, left=None):
+    """``(scale, growth_tracker, hysteresis_left)`` after each step, from a state that starts at
+    ``init_scale`` with ``tracker`` and ``left`` (default: the full hysteresis budget)."""
     scale = np.float32(init_scale)
     lo = np.float32(F32_TINY if min_scale is None else min_scale)
     hi = np.float32(F32_MAX if max_scale is None else max_scale)
     growth, backoff = np.float32(growth_factor), np.float32(backoff_factor)
-    tracker, left = 0, hysteresis
+    left = hysteresis if left is None else left
     out = []
     with np.errstate(over="ignore", under="ignore"):
         for finite in finite_seq:
@@ -301,6 +304,93 @@ def test_matches_reference_model_with_other_factors(seq, init_scale, growth_inte
                             growth_factor=growth_factor, backoff_factor=backoff_factor,
                             min_scale=None, max_scale=None, hysteresis=hysteresis,
                             hysteresis_refill="growth")
+
+
+# Many sequences at once: one vmapped, scanned call per configuration against the python model.
+
+_BOUNDS = {"none": (None, None), "min": (1.0, None), "max": (None, 2.0**10),
+           "both": (1.0, 2.0**10)}
+_HYSTERESIS = {"1-growth": (1, "growth"), "1-finite": (1, "finite"),
+               "3-growth": (3, "growth"), "3-finite": (3, "finite")}
+_MANY_INIT = np.array([F32_TINY, 2.0**-3, 0.75, 1.0, 3.0, 1000.0, 2.0**10, 2.0**11, 2.0**16,
+                       2.0**126, 2.0**127], np.float32)
+_SEQUENCES, _LENGTH, _GROWTH_INTERVAL = 128, 48, 2
+
+
+def random_overflow_sequences(rng, n, length):
+    """Overflow patterns: independent steps at rates from 1% to 95%, and sticky runs (bursts
+    of overflows, long finite stretches). True is a finite step."""
+    seqs = np.empty((n, length), bool)
+    for i in range(n):
+        if i % 2:
+            seqs[i] = rng.random(length) >= rng.choice([0.01, 0.1, 0.3, 0.6, 0.95])
+        else:
+            stay = rng.choice([0.7, 0.9, 0.97])
+            state = bool(rng.random() < 0.5)
+            for t in range(length):
+                seqs[i, t] = state
+                if rng.random() > stay:
+                    state = not state
+    return seqs
+
+
+@jax.jit
+def _run_many(states, finite_seqs):
+    return jax.vmap(_run)(states, finite_seqs)
+
+
+@pytest.mark.parametrize("hysteresis", sorted(_HYSTERESIS))
+@pytest.mark.parametrize("bounds", sorted(_BOUNDS))
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_many_random_sequences_match_the_reference_model(bounds, hysteresis, seed):
+    # 16 configurations x 5 examples x 128 sequences: 10,240 sequences of 48 steps.
+    min_scale, max_scale = _BOUNDS[bounds]
+    hyst, refill = _HYSTERESIS[hysteresis]
+    config = dict(growth_interval=_GROWTH_INTERVAL, growth_factor=2.0, backoff_factor=0.5,
+                  min_scale=min_scale, max_scale=max_scale, hysteresis=hyst,
+                  hysteresis_refill=refill)
+    rng = np.random.default_rng(seed)
+    n = _SEQUENCES
+    seqs = random_overflow_sequences(rng, n, _LENGTH)
+    inits = rng.choice(_MANY_INIT, n)
+    trackers = rng.integers(0, _GROWTH_INTERVAL, n)
+    lefts = rng.integers(0, hyst + 1, n)
+    states = DynamicLossScale(**config).replace(
+        loss_scale=jnp.asarray(inits, jnp.float32), growth_tracker=jnp.asarray(trackers, jnp.int32),
+        hysteresis_left=jnp.asarray(lefts, jnp.int32))
+    out = _run_many(states, jnp.asarray(seqs))
+    got = np.stack([np.asarray(out.loss_scale, np.float64), np.asarray(out.growth_tracker),
+                    np.asarray(out.hysteresis_left)], axis=-1)
+    for i in range(n):
+        want = reference_sequence(float(inits[i]), seqs[i].tolist(), tracker=int(trackers[i]),
+                                  left=int(lefts[i]), **config)
+        if not np.array_equal(got[i], np.asarray(want, np.float64)):
+            t = int(np.argmax(np.any(got[i] != np.asarray(want), axis=-1)))
+            raise AssertionError(
+                f"sequence {i} (init {inits[i]}, tracker {trackers[i]}, left {lefts[i]}) first "
+                f"differs at step {t}: got {got[i][t].tolist()}, reference {list(want[t])}; "
+                f"finite {seqs[i][:t + 1].astype(int).tolist()}")
+    # The sequences exercise every branch: growth, backoff, both bounds, spent hysteresis.
+    scales = got[..., 0]
+    assert (np.diff(scales, axis=1) > 0).any() and (np.diff(scales, axis=1) < 0).any()
+    if min_scale is not None:
+        assert (scales == min_scale).any()
+    if max_scale is not None:
+        assert (scales == max_scale).any()
+    assert np.all(np.isfinite(scales)) and np.all(scales > 0)
+
+
+def test_the_many_sequences_test_fails_on_a_wrong_rule():
+    # The same check against a rule that backs off one overflow too late must fail.
+    config = dict(growth_interval=2, growth_factor=2.0, backoff_factor=0.5, min_scale=None,
+                  max_scale=None, hysteresis=1, hysteresis_refill="growth")
+    seqs = random_overflow_sequences(np.random.default_rng(0), 8, _LENGTH)
+    wrong = DynamicLossScale(**{**config, "hysteresis": 2})
+    out = _run_many(jax.tree.map(lambda x: jnp.stack([x] * 8), wrong), jnp.asarray(seqs))
+    got = np.asarray(out.loss_scale).tolist()
+    want = [[s for s, _, _ in reference_sequence(2.0**16, q.tolist(), **config)] for q in seqs]
+    assert got != want
 
 
 def test_reference_model_agrees_with_the_hand_computed_sequences():

@@ -352,6 +352,18 @@ def test_model_state_is_averaged_over_devices_under_pmap(sync):
         assert not (means == means[0]).all()
 
 
+def test_a_second_init_survives_the_donation_of_the_first_state():
+    """Each init hands out its own buffers, the loss scale's included."""
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_float16",
+                                loss_scale=jaxamp.DynamicLossScale(2.0 ** 4))
+    step = jax.jit(jaxamp.make_train_step(mse_loss), donate_argnums=0)
+    batch = make_batch()
+    first, _ = step(jaxamp.TrainState.create(params=init_params(), tx=tx), batch)
+    second, m = step(jaxamp.TrainState.create(params=init_params(), tx=tx), batch)
+    assert bool(m["grads_finite"])
+    assert_tree_bitwise_equal(first, second)
+
+
 def test_loss_with_model_state_only():
     def loss_fn(params, batch, model_state):
         loss, new_state, _ = stats_loss(params, batch, model_state)

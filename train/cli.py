@@ -39,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-scale", type=float)
     ap.add_argument("--growth-interval", type=int)
     ap.add_argument("--hysteresis", type=int)
+    ap.add_argument("--min-scale", type=float, help="the dynamic loss scale's lower bound")
+    ap.add_argument("--stall-after", type=int,
+                    help="stop with an error after this many consecutive non-finite steps at "
+                         "the minimum loss scale (default 10; 0: keep skipping)")
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--keep-checkpoints", type=int)
     ap.add_argument("--data", help="your own .npz images (image/label) or a text file")
@@ -71,5 +75,8 @@ def main(argv=None):
     if args.compare:
         train_lib.compare(config, args.compare.split(","), workdir)
         return
-    summary = train_lib.train_and_evaluate(config, workdir, resume=args.resume)
+    try:
+        summary = train_lib.train_and_evaluate(config, workdir, resume=args.resume)
+    except (train_lib.TrainingStalled, train_lib.CheckpointMismatch) as e:
+        raise SystemExit(f"python -m train: error: {e}") from e
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))

@@ -4,6 +4,12 @@ Builds the data pipeline and the model, trains with ``jaxamp.make_train_step`` u
 precision and parallelism, logs every metric (CSV, TensorBoard), checkpoints with orbax's
 ``CheckpointManager`` (and on SIGTERM/SIGINT), resumes bit for bit, evaluates, and plots.
 Only process 0 writes logs and plots; every process takes part in checkpoints.
+
+Crash safety: orbax writes each checkpoint into a temporary directory and renames it when it is
+complete, so a run killed at any point (even with SIGKILL, mid-write) resumes from the latest
+complete checkpoint; the metrics log drops the rows written after it. A run whose gradients stay
+non-finite at the minimum loss scale (``stall_after`` steps in a row) stops with
+:class:`TrainingStalled` instead of skipping forever.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class Config:
     init_scale: float = 2.0**16
     growth_interval: int = 2000
     hysteresis: int = 1
+    min_scale: float | None = None
+    # Stop after this many consecutive non-finite steps at the minimum loss scale (0: never).
+    stall_after: int = 10
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     log_every: int = 10
@@ -67,12 +76,67 @@ def _loss_scale(config: Config, policy: jaxamp.Policy):
     if kind == "dynamic":
         return jaxamp.DynamicLossScale(loss_scale=config.init_scale,
                                        growth_interval=config.growth_interval,
-                                       hysteresis=config.hysteresis)
+                                       hysteresis=config.hysteresis,
+                                       min_scale=config.min_scale)
     if kind == "static":
         return jaxamp.StaticLossScale(config.init_scale)
     if kind == "none":
         return jaxamp.NoOpLossScale()
     raise ValueError(f"unknown loss_scale {kind!r}; expected auto, dynamic, static or none")
+
+
+class TrainingStalled(FloatingPointError):
+    """The gradients stayed non-finite at the minimum loss scale for ``stall_after`` steps."""
+
+
+class CheckpointMismatch(ValueError):
+    """``--resume`` found a checkpoint written for another model or state layout."""
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _leaf_specs(tree: Any) -> dict[str, str]:
+    """``{'params/head/kernel': 'float16[16, 10]', ...}`` for the array leaves of ``tree``."""
+    return {"/".join(_key_name(k) for k in path):
+            f"{np.dtype(x.dtype).name}{list(x.shape)}"
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+
+
+def check_checkpoint_matches(path: str, state: Any) -> None:
+    """Raises :class:`CheckpointMismatch` unless the saved state at ``path`` has the leaves,
+    shapes and dtypes of ``state``. Reads only the checkpoint's metadata."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        meta = checkpointer.metadata(path)
+    meta = getattr(meta, "item_metadata", meta)
+    saved, wanted = _leaf_specs(getattr(meta, "tree", meta)), _leaf_specs(state)
+    diffs = [f"{k!r} is {saved[k]} in the checkpoint but {wanted[k]} in this run"
+             for k in wanted if k in saved and saved[k] != wanted[k]]
+    diffs += [f"{k!r} is missing from the checkpoint" for k in wanted if k not in saved]
+    diffs += [f"{k!r} is in the checkpoint but not in this run" for k in saved if k not in wanted]
+    if diffs:
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise CheckpointMismatch(
+            f"--resume: the checkpoint {path} was written by another model or state layout: "
+            f"{'; '.join(diffs[:3])}{more}. Resume with the --config, --model and --precision "
+            "it was written with, or train afresh in another --workdir.")
+
+
+def _stall_message(done: int, metrics: dict, params: Any, stall_after: int) -> str:
+    count = int(_scalar(metrics["skips_at_min_scale"]))
+    first = done - count + 1
+    leaf = jaxamp.nonfinite_leaf_path(params, np.asarray(metrics["first_nonfinite_leaf"]))
+    return (f"training stalled at step {done - (count - stall_after)}: {stall_after} consecutive "
+            f"steps (from step {first}) had non-finite gradients at the minimum loss scale "
+            f"{_scalar(metrics['loss_scale']):g}, which loss scaling cannot fix. The first "
+            f"non-finite gradient leaf is {leaf!r} and the loss is {_scalar(metrics['loss'])}. "
+            "None of these steps applied an update, and the checkpoints are intact. Look for "
+            "inf or nan in the data, lower --lr, or run this layer in float32; "
+            "--stall-after 0 keeps skipping instead.")
 
 
 def _is_text(task: str) -> bool:
@@ -204,7 +268,8 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps,
                                                   max(config.steps, config.warmup_steps + 1))
     tx = jaxamp.mixed_precision(optax.adamw(schedule, weight_decay=config.weight_decay),
-                                policy, loss_scale=_loss_scale(config, policy))
+                                policy, loss_scale=_loss_scale(config, policy),
+                                stall_after=config.stall_after or None)
     state = jaxamp.TrainState.create(params=params, tx=tx, policy=policy,
                                      model_state=model_state, rng=jax.random.PRNGKey(config.seed))
     axis = "batch" if config.parallel == "pmap" else None
@@ -212,15 +277,24 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
                                      **flags)
 
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                    options=options, item_names=("state", "data"))
+    checkpoints = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    manager = ocp.CheckpointManager(checkpoints, options=options, item_names=("state", "data"))
     start = 0
+    # latest_step() only sees committed checkpoints: a write cut short (a kill, a crash) leaves
+    # a "<step>.orbax-checkpoint-tmp" directory that is never loaded and is replaced on save.
     if resume and manager.latest_step() is not None:
         start = int(manager.latest_step())
+        try:
+            check_checkpoint_matches(os.path.join(checkpoints, str(start), "state"), state)
+        except CheckpointMismatch:
+            manager.close()
+            raise
         restored = manager.restore(start, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(state), data=ocp.args.JsonRestore()))
         state = restored.state
         batches.restore(tuple(restored.data))
+        if is_chief:
+            print(f"resuming from the checkpoint of step {start} in {checkpoints}", flush=True)
 
     step, state, put, unput = _layout(config, step_fn, state)
     # A host thread keeps the next batches ready; its state() is the position of the batches
@@ -235,44 +309,59 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
             force=True)
         manager.wait_until_finished()
 
-    logger = _Logger(workdir, enabled=is_chief, resume=resume and start > 0)
+    logger = _Logger(workdir, enabled=is_chief, resume_from=start if resume else 0)
     items = (config.batch_size * config.seq_len) if _is_text(config.task) else config.batch_size
     unit = "tokens/s" if _is_text(config.task) else "img/s"
     bar = _progress(config, start, is_chief)
     stopped = None
-    with _Stop() as stop:
-        t_last, n_last = time.perf_counter(), start
-        for i in range(start, config.steps):
-            state, metrics = step(state, put(next(feed)))
-            done = i + 1
-            if done % config.log_every == 0 or done == config.steps:
-                row = {k: _scalar(v) for k, v in metrics.items() if k != "aux"}
-                row.update({f"aux_{k}": _scalar(v) for k, v in metrics.get("aux", {}).items()})
-                now = time.perf_counter()
-                row["throughput"] = items * (done - n_last) / max(now - t_last, 1e-9)
-                t_last, n_last = now, done
-                logger.write(done, row)
+    try:
+        with _Stop() as stop:
+            t_last, n_last = time.perf_counter(), start
+            previous = None
+            for i in range(start, config.steps):
+                state, metrics = step(state, put(next(feed)))
+                done = i + 1
+                # The previous step's stall flag, read while this step runs: every step is
+                # checked without a host sync between steps.
+                if previous is not None and _scalar(previous[1]["stalled"]):
+                    raise TrainingStalled(_stall_message(*previous, params, config.stall_after))
+                previous = (done, metrics)
+                if done % config.log_every == 0 or done == config.steps:
+                    row = {k: _scalar(v) for k, v in metrics.items() if k != "aux"}
+                    row.update({f"aux_{k}": _scalar(v)
+                                for k, v in metrics.get("aux", {}).items()})
+                    now = time.perf_counter()
+                    row["throughput"] = items * (done - n_last) / max(now - t_last, 1e-9)
+                    t_last, n_last = now, done
+                    logger.write(done, row)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{row['loss']:.4f}",
+                                        scale=f"{row['loss_scale']:g}",
+                                        skipped=int(row["skipped_steps"]),
+                                        **{unit: f"{row['throughput']:.0f}"})
                 if bar is not None:
-                    bar.set_postfix(loss=f"{row['loss']:.4f}", scale=f"{row['loss_scale']:g}",
-                                    skipped=int(row["skipped_steps"]),
-                                    **{unit: f"{row['throughput']:.0f}"})
-            if bar is not None:
-                bar.update(1)
-            if done % config.checkpoint_every == 0 or done == config.steps:
-                save(done)
-                t_last = time.perf_counter()  # throughput leaves checkpoint time out
-            if stop.signal is not None:
-                save(done)
-                stopped = done
-                break
-    feed.close()
-    if bar is not None:
-        bar.close()
-    logger.close()
+                    bar.update(1)
+                saving = done % config.checkpoint_every == 0 or done == config.steps
+                if (saving or stop.signal is not None) and _scalar(metrics["stalled"]):
+                    raise TrainingStalled(_stall_message(done, metrics, params,
+                                                         config.stall_after))
+                if saving:
+                    save(done)
+                    t_last = time.perf_counter()  # throughput leaves checkpoint time out
+                if stop.signal is not None:
+                    save(done)
+                    stopped = done
+                    break
+    finally:
+        feed.close()
+        if bar is not None:
+            bar.close()
+        logger.close()
+        manager.close()
 
     final = unput(state)
     summary = {"config": dataclasses.asdict(config), "steps": stopped or config.steps,
-               "stopped_by_signal": stopped is not None,
+               "stopped_by_signal": stopped is not None, "resumed_from": start if resume else None,
                "skipped_steps": int(jaxamp.find_state(final.opt_state).skipped_steps),
                "loss_scale": _scalar(final.loss_scale)}
     if stopped is None:
@@ -282,7 +371,6 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     if is_chief:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-    manager.close()
     return summary
 
 
@@ -320,7 +408,7 @@ def _progress(config: Config, start: int, enabled: bool):
 class _Logger:
     """CSV and TensorBoard logs of every metric (process 0 only)."""
 
-    def __init__(self, workdir: str, *, enabled: bool, resume: bool):
+    def __init__(self, workdir: str, *, enabled: bool, resume_from: int = 0):
         self.enabled = enabled
         self.path = os.path.join(workdir, "metrics.csv")
         self._file = None
@@ -328,7 +416,9 @@ class _Logger:
         self._tb: Any = None
         if not enabled:
             return
-        self._resume = resume and os.path.exists(self.path)
+        # A resumed run continues the log of the checkpoint it restored: rows written after
+        # that checkpoint (by a run that was killed) are dropped, and so is a torn last line.
+        self._resume = resume_from > 0 and _truncate_log(self.path, resume_from)
         try:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
@@ -354,6 +444,24 @@ class _Logger:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _truncate_log(path: str, last_step: int) -> bool:
+    """Keeps the complete rows of ``path`` up to ``last_step``; False when there is no log."""
+    if not os.path.exists(path):
+        return False
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        return False
+    header, body = rows[0], rows[1:]
+    keep = [r for r in body
+            if len(r) == len(header) and r[0].isdigit() and int(r[0]) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([header, *keep])
+    os.replace(tmp, path)
+    return True
 
 
 def read_metrics(workdir: str) -> dict[str, np.ndarray]:
