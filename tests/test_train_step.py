@@ -693,7 +693,7 @@ def test_the_state_can_be_donated(policy):
                                      tx=jaxamp.mixed_precision(optax.sgd(0.1), policy))
 
     def loss_fn(params, batch):
-        return jnp.mean((batch["x"] @ params["w"].astype(jnp.float32)) ** 2)
+        return jnp.mean((batch["x"] @ params["w"]).astype(jnp.float32) ** 2)
 
     step = jax.jit(jaxamp.make_train_step(loss_fn), donate_argnums=0)
     for _ in range(2):
