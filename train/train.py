@@ -93,17 +93,9 @@ class CheckpointMismatch(ValueError):
     """``--resume`` found a checkpoint written for another model or state layout."""
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _leaf_specs(tree: Any) -> dict[str, str]:
     """``{'params/head/kernel': 'float16[16, 10]', ...}`` for the array leaves of ``tree``."""
-    return {"/".join(_key_name(k) for k in path):
-            f"{np.dtype(x.dtype).name}{list(x.shape)}"
+    return {jaxamp.tree_path_str(path): f"{np.dtype(x.dtype).name}{list(x.shape)}"
             for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
 
 
