@@ -75,11 +75,11 @@ def entry_op_count(compiled) -> int:
     return count
 
 
-def time_interleaved(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+def time_interleaved(runners: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
     """Median seconds of each runner, called in turn ``rounds`` times (after one warm-up)."""
     for run in runners.values():
         run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
+    times: dict[Any, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
         for name, run in runners.items():
             t0 = time.perf_counter()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+
+from train.bench import time_interleaved
 
 MATMULS = [(2048, 2048, 2048), (2048, 256, 1024), (2048, 1024, 256), (2048, 256, 8192)]
 CONV = (32, 56, 56, 64)  # NHWC, 3x3 kernel, 64 output channels
@@ -62,24 +62,14 @@ def main(argv=None):
         systems["torch fp32"] = _torch_ops("float32")
         systems["torch bf16"] = _torch_ops("bfloat16")
     names = list(systems["jax fp32"])
-    times: dict[tuple[str, str], list[float]] = {(s, n): [] for s in systems for n in names}
-    for ops in systems.values():
-        for f, _ in ops.values():
-            f()
-    for _ in range(args.rounds):
-        for name in names:
-            for system, ops in systems.items():
-                f, _ = ops[name]
-                t0 = time.perf_counter()
-                f()
-                times[(system, name)].append(time.perf_counter() - t0)
+    secs = time_interleaved({(s, n): systems[s][n][0] for n in names for s in systems},
+                            args.rounds)
     print(f"# jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.rounds} interleaved "
           "rounds; GFLOP/s (median)")
     print("| op | " + " | ".join(systems) + " | jax bf16 / fp32 time |")
     print("|---|" + "---:|" * (len(systems) + 1))
     for name in names:
-        rate = {s: systems[s][name][1] / statistics.median(times[(s, name)]) / 1e9
-                for s in systems}
+        rate = {s: systems[s][name][1] / secs[(s, name)] / 1e9 for s in systems}
         print(f"| {name} | " + " | ".join(f"{rate[s]:.0f}" for s in systems)
               + f" | {rate['jax fp32'] / rate['jax bf16']:.2f} |")
 
