@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental.layout import Layout
+from jax.experimental.layout import with_layout_constraint
 
 from jaxamp.loss_scale import DynamicLossScale
 from jaxamp.loss_scale import LossScale
@@ -175,6 +177,34 @@ def nonfinite_leaf_path(tree: Any, index: Any) -> str | None:
     return tree_path_str(leaves[index][0])
 
 
+# Backends where gradients are pinned to row-major before the check and the skip (see below).
+_PIN_LAYOUT_BACKENDS = frozenset({"cpu"})
+
+
+def _row_major_grads(grads: Any) -> Any:
+    """Pins traced gradients of rank >= 2 to the default row-major layout, on XLA:CPU.
+
+    XLA:CPU emits a weight gradient ``x.T @ dy`` as the product ``dy.T @ x`` read through a
+    column-major bitcast. Elementwise fusions read that layout for free, but the finite check
+    (a reduction) and the ``lax.cond`` boundary of the skip each insert a transposing copy of
+    every such gradient: two extra passes over the grads. Pinning the layout here moves the
+    transpose into the fusion that produces the gradient (its cast to the param dtype), so the
+    step reads the grads once. On the encoder of ``python -m train.bench overhead`` this takes
+    the bytes accessed from 1.022x to 1.012x the bare bf16 step. The constraint changes no
+    value and no sharding (flattening the grads would also pin the layout, but resharding a
+    tensor-parallel gradient would cost more than it saves). Only where measured: on other
+    backends (TPU's tiled layouts in particular) the grads pass through untouched.
+    """
+    if jax.default_backend() not in _PIN_LAYOUT_BACKENDS:
+        return grads
+
+    def pin(g):
+        if isinstance(g, jax.core.Tracer) and getattr(g, "ndim", 0) >= 2:
+            return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
+        return g
+    return jax.tree.map(pin, grads)
+
+
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Per-leaf ``where`` for arrays; identical non-array leaves pass through."""
     def sel(a, b):
@@ -285,6 +315,7 @@ def mixed_precision(
                              "compute updates; call tx.update(grads, state, params)")
         _check_same_structure(updates, state.master_params)
         scale = state.loss_scale
+        updates = _row_major_grads(updates)
         # 3 first: one reduction over the still-scaled grads gives the finite check, the norm
         # and the count of non-finite leaves. It reads each gradient once, in its own dtype.
         finite, norm, nonfinite, first_bad = grad_stats(updates, scale.loss_scale)

@@ -33,6 +33,8 @@ def test_overhead_suite_writes_every_field(tiny_runs):
                     "gbytes_accessed", "bytes_vs_bare_bf16", "bytes_vs_fp32", "entry_ops",
                     "saved_mb", "saved_vs_fp32"):
             assert isinstance(r[key], int | float) and np.isfinite(r[key]) and r[key] > 0, key
+        lo, hi = (float(x) for x in r["time_vs_bare_bf16_iqr"].split("–"))
+        assert lo <= r["time_vs_bare_bf16"] <= hi
     by = {r["variant"]: r for r in rows}
     assert by["bare_bf16"]["time_vs_bare_bf16"] == 1.0 and by["fp32"]["time_vs_fp32"] == 1.0
     # bf16 compute saves fewer activation bytes than fp32; accumulation saves a quarter batch.
@@ -116,3 +118,14 @@ def test_peer_steps_compute_the_same_first_loss_and_train(tiny_runs):
         assert abs(r["first_loss"] - ref) <= 2e-2 * abs(ref), (name, r["first_loss"], ref)
         # Three timed steps on the repeated batch (warm-up plus two rounds) lower the loss.
         assert r["last_loss"] < r["first_loss"] - 0.05, name
+
+
+def test_time_rounds_rotates_the_order_and_pairs_the_ratios():
+    calls = []
+    runners = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = bench.time_rounds(runners, rounds=3)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab")  # warm-up, 3 rounds
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    paired = {"x": [2.0, 4.0, 9.0, 1.0], "ref": [1.0, 2.0, 3.0, 1.0]}  # ratios 2, 2, 3, 1
+    assert bench.paired_ratio(paired, "x", "ref") == (2.0, 1.75, 2.25)
+    assert bench.paired_ratio(paired, "ref", "ref") == (1.0, 1.0, 1.0)

@@ -75,17 +75,39 @@ def entry_op_count(compiled) -> int:
     return count
 
 
-def time_interleaved(runners: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
-    """Median seconds of each runner, called in turn ``rounds`` times (after one warm-up)."""
+def time_rounds(runners: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, list[float]]:
+    """Seconds of each runner in each of ``rounds`` rounds (after one warm-up call each).
+
+    Every round calls each runner once, the order rotating by one from round to round, so no
+    runner always follows the same neighbour or holds the same place in the round.
+    """
     for run in runners.values():
         run()
-    times: dict[Any, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
+    names = list(runners)
+    times: dict[Any, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
             t0 = time.perf_counter()
-            run()
+            runners[name]()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_interleaved(runners: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
+    """Median seconds of each runner over :func:`time_rounds`."""
+    return {name: statistics.median(t) for name, t in time_rounds(runners, rounds).items()}
+
+
+def paired_ratio(times: dict[Any, list[float]], name: Any, ref: Any) -> tuple[float, float, float]:
+    """``(median, q25, q75)`` of ``name``'s time over ``ref``'s, round by round.
+
+    Each round's ratio compares two calls made a few seconds apart, so the drift of a shared
+    machine over minutes cancels out; the quartiles say how much the rounds still disagree.
+    """
+    ratios = sorted(a / b for a, b in zip(times[name], times[ref], strict=True))
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), q[0], q[-1]
 
 
 def compile_variants(variants: dict[str, Variant], batch):
@@ -315,14 +337,16 @@ def suite_overhead(args) -> list[dict]:
             last[name] = float(compiled[name](jax.tree.map(jnp.copy, states[name]), batch)[1])
         return run if not args.tiny else run_and_keep_loss
 
-    secs = time_interleaved({k: runner(k) for k in variants}, args.rounds)
+    times = time_rounds({k: runner(k) for k in variants}, args.rounds)
     rows = []
     for name, v in variants.items():
         saved = v.saved() if v.saved else None
+        vs_bare, q25, q75 = paired_ratio(times, name, "bare_bf16")
         rows.append({
-            "variant": name, "median_ms": 1e3 * secs[name],
-            "time_vs_bare_bf16": secs[name] / secs["bare_bf16"],
-            "time_vs_fp32": secs[name] / secs["fp32"],
+            "variant": name, "median_ms": 1e3 * statistics.median(times[name]),
+            "time_vs_bare_bf16": vs_bare,
+            "time_vs_bare_bf16_iqr": f"{q25:.3f}–{q75:.3f}",
+            "time_vs_fp32": paired_ratio(times, name, "fp32")[0],
             "gflops": costs[name]["flops"] / 1e9,
             "gbytes_accessed": costs[name]["bytes"] / 1e9,
             "bytes_vs_bare_bf16": costs[name]["bytes"] / costs["bare_bf16"]["bytes"],
@@ -335,8 +359,9 @@ def suite_overhead(args) -> list[dict]:
     for r in rows:
         r["saved_vs_fp32"] = r["saved_mb"] / fp32_saved
     header = (f"{machine()}; encoder {cfg}, batch {batch_size}, adamw, donated state, "
-              f"{args.rounds} interleaved rounds")
-    write_outputs("overhead", rows, ["variant", "median_ms", "time_vs_bare_bf16", "time_vs_fp32",
+              f"{args.rounds} interleaved rounds (ratios: median and quartiles of per-round ratios)")
+    write_outputs("overhead", rows, ["variant", "median_ms", "time_vs_bare_bf16",
+                                     "time_vs_bare_bf16_iqr", "time_vs_fp32",
                                      "gflops", "gbytes_accessed", "bytes_vs_bare_bf16",
                                      "entry_ops", "saved_mb", "saved_vs_fp32"],
                   args.out, ("variant", "time_vs_bare_bf16"), header)
@@ -566,10 +591,12 @@ def suite_torch(args) -> list[dict]:
     for label, amp in (("PyTorch fp32", False), ("PyTorch autocast-bf16", True)):
         step = torch_encoder_step(cfg, batch, amp)
         runners[label] = step
-    secs = time_interleaved(runners, args.rounds)
-    ref = secs["PyTorch autocast-bf16"]
-    rows = [{"system": k, "median_ms": 1e3 * s, "vs_torch_autocast": s / ref,
-             "vs_torch_fp32": s / secs["PyTorch fp32"], "first_loss": first_loss.get(k),
+    times = time_rounds(runners, args.rounds)
+    secs = {k: statistics.median(t) for k, t in times.items()}
+    rows = [{"system": k, "median_ms": 1e3 * s,
+             "vs_torch_autocast": paired_ratio(times, k, "PyTorch autocast-bf16")[0],
+             "vs_torch_fp32": paired_ratio(times, k, "PyTorch fp32")[0],
+             "first_loss": first_loss.get(k),
              "xla_flags": os.environ.get("XLA_FLAGS", "")} for k, s in secs.items()]
     best = min(("jax fp32", "jaxamp mixed_bfloat16"), key=secs.__getitem__)
     header = (f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads); "
