@@ -359,7 +359,8 @@ def suite_overhead(args) -> list[dict]:
     for r in rows:
         r["saved_vs_fp32"] = r["saved_mb"] / fp32_saved
     header = (f"{machine()}; encoder {cfg}, batch {batch_size}, adamw, donated state, "
-              f"{args.rounds} interleaved rounds (ratios: median and quartiles of per-round ratios)")
+              f"{args.rounds} interleaved rounds; ratios are the median and quartiles of the "
+              "per-round ratios")
     write_outputs("overhead", rows, ["variant", "median_ms", "time_vs_bare_bf16",
                                      "time_vs_bare_bf16_iqr", "time_vs_fp32",
                                      "gflops", "gbytes_accessed", "bytes_vs_bare_bf16",
