@@ -624,3 +624,33 @@ def test_gradient_layout_pin_leaves_eager_and_vmapped_updates_alone():
         jnp.stack([grads["w"], 2 * grads["w"]]))
     assert batched.shape == (2, 3, 4)
     np.testing.assert_array_equal(np.asarray(batched[1], np.float32), -2.0)
+
+
+def test_gradient_layout_pin_keeps_tensor_parallel_sharding(monkeypatch):
+    """Pinning the layout adds no collective: a sharded gradient is never resharded for it."""
+    from jax.sharding import Mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("model",))
+    shardings = {"w1": NamedSharding(mesh, P(None, "model")),
+                 "w2": NamedSharding(mesh, P("model", None))}
+    master = jax.device_put({"w1": jnp.full((16, 32), 0.1), "w2": jnp.full((32, 8), 0.1)},
+                            shardings)
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=master, tx=tx)
+    x = {"x": jax.random.normal(jax.random.key(0), (64, 16))}
+
+    def loss(p, b):
+        return jnp.mean((jax.nn.relu(b["x"] @ p["w1"]) @ p["w2"]).astype(F32) ** 2)
+    step = jaxamp.make_train_step(loss)
+
+    def collectives(pin):
+        monkeypatch.setattr(jaxamp.master, "_PIN_LAYOUT_BACKENDS",
+                            frozenset({jax.default_backend()} if pin else ()))
+        text = jax.jit(step).lower(state, x).compile().as_text()
+        return {op: text.count(f" {op}(") for op in
+                ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
+    assert collectives(True) == collectives(False)
+    new_state, _ = jax.jit(step)(state, x)
+    assert new_state.params["w1"].sharding.spec == P(None, "model")
+    assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
