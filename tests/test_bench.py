@@ -129,3 +129,12 @@ def test_time_rounds_rotates_the_order_and_pairs_the_ratios():
     paired = {"x": [2.0, 4.0, 9.0, 1.0], "ref": [1.0, 2.0, 3.0, 1.0]}  # ratios 2, 2, 3, 1
     assert bench.paired_ratio(paired, "x", "ref") == (2.0, 1.75, 2.25)
     assert bench.paired_ratio(paired, "ref", "ref") == (1.0, 1.0, 1.0)
+
+
+def test_bench_layout_counts_the_bytes_of_each_instruction(capsys):
+    from train import bench_layout
+    total = bench_layout.main(["--tiny", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "| **total** |" in out and "| jaxamp pinned |" in out
+    # The shipped step (gradients pinned to row-major) accesses fewer bytes than without the pin.
+    assert total["bare_bf16"] < total["jaxamp pinned"] < total["jaxamp not pinned"]
