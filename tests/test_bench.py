@@ -61,13 +61,21 @@ def test_memory_suite_writes_every_field(tiny_runs):
     assert (out / "memory.png").exists()
 
 
-def test_torch_suite_runs_or_says_it_skipped(tiny_runs):
-    out, results = tiny_runs
-    rows = read_jsonl(out / "torch.jsonl")
+def torch_suite_rows(out, suite: str) -> list[dict] | None:
+    """The rows a torch-using suite wrote, or ``None`` after checking it said it skipped."""
+    rows = read_jsonl(out / f"{suite}.jsonl")
     try:
         import torch  # noqa: F401
     except ImportError:
-        assert rows == [{"suite": "torch", "skipped": "torch is not installed"}]
+        assert rows == [{"suite": suite, "skipped": "torch is not installed"}]
+        return None
+    return rows
+
+
+def test_torch_suite_runs_or_says_it_skipped(tiny_runs):
+    out, results = tiny_runs
+    rows = torch_suite_rows(out, "torch")
+    if rows is None:
         return
     assert {r["system"] for r in rows} == {"jax fp32", "jaxamp mixed_bfloat16", "PyTorch fp32",
                                            "PyTorch autocast-bf16"}
@@ -76,11 +84,8 @@ def test_torch_suite_runs_or_says_it_skipped(tiny_runs):
 
 def test_cpu_flags_suite_runs_each_flag_set_in_its_own_process(tiny_runs):
     out, _ = tiny_runs
-    rows = read_jsonl(out / "cpu_flags.jsonl")
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        assert rows == [{"suite": "cpu_flags", "skipped": "torch is not installed"}]
+    rows = torch_suite_rows(out, "cpu_flags")
+    if rows is None:
         return
     assert [(r["flags"], r["system"]) for r in rows] == [
         (f, s) for f in list(bench.CPU_FLAG_SETS)[:2]

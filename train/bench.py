@@ -62,17 +62,26 @@ def cost(compiled) -> dict[str, float]:
     return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
 
 
+def hlo_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """``({computation name: its instruction lines}, entry name)`` of an HLO module's text."""
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY ")) and line.rstrip().endswith("{"):
+            name = (line.split()[1] if line.startswith("ENTRY ") else line.split()[0]).lstrip("%")
+            entry = name if line.startswith("ENTRY ") else entry
+            current = comps[name] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and " = " in line:
+            current.append(line.strip())
+    return comps, entry
+
+
 def entry_op_count(compiled) -> int:
     """Instructions in the optimized HLO's entry computation (fusions count once)."""
-    count, inside = 0, False
-    for line in compiled.as_text().splitlines():
-        if line.startswith("ENTRY "):
-            inside = True
-        elif inside and line.startswith("}"):
-            break
-        elif inside and " = " in line:
-            count += 1
-    return count
+    comps, entry = hlo_computations(compiled.as_text())
+    return len(comps[entry])
 
 
 def time_rounds(runners: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, list[float]]:

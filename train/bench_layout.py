@@ -40,28 +40,13 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    comps: dict[str, list[str]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        if line.startswith(("%", "ENTRY ")) and line.rstrip().endswith("{"):
-            name = (line.split()[1] if line.startswith("ENTRY ") else line.split()[0]).lstrip("%")
-            entry = name if line.startswith("ENTRY ") else entry
-            current = comps[name] = []
-        elif line.startswith("}"):
-            current = None
-        elif current is not None and " = " in line:
-            current.append(line.strip())
-    return comps, entry
-
-
 def bytes_by_instruction(compiled) -> collections.Counter:
     """Bytes accessed by each kind of instruction of a compiled step (``kind -> bytes``).
 
     A kind is the instruction's name without its number (``multiply_add_fusion``,
     ``wrapped_convert``, ``copy``). Conditionals count the bytes of their branches.
     """
-    comps, entry = _computations(compiled.as_text())
+    comps, entry = bench.hlo_computations(compiled.as_text())
     out: collections.Counter = collections.Counter()
 
     def walk(name: str) -> None:
@@ -110,43 +95,40 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     compiled.update(more[0])
     states.update(more[1])
 
-    counts = {name: bytes_by_instruction(c) for name, c in compiled.items()}
-    for name, c in compiled.items():
-        total = bench.cost(c)["bytes"]
-        if abs(sum(counts[name].values()) - total) > 1e-3 * total:
-            raise SystemExit(f"{name}: the instruction count gives {sum(counts[name].values())} "
-                             f"bytes, cost_analysis {total}")
-    print(f"{bench.machine()}; encoder {cfg}, batch {batch_size}\n")
     names = list(compiled)
-    print("| instruction kind | " + " | ".join(f"{n} MB" for n in names)
-          + " | " + " | ".join(f"{n} − bare MB" for n in names[1:]) + " |")
-    print("|---|" + "---:|" * (2 * len(names) - 1))
-    kinds = set().union(*counts.values())
-    base = counts["bare_bf16"]
-    shown = 1e-3 * sum(base.values())  # kinds that move less than 0.1% are left out
-    for kind in sorted(kinds, key=lambda k: -max(abs(counts[n][k] - base[k]) for n in names)):
-        if max(abs(counts[n][kind] - base[kind]) for n in names) < shown:
-            continue
-        print(f"| {kind} | " + " | ".join(f"{counts[n][kind] / 1e6:.1f}" for n in names) + " | "
-              + " | ".join(f"{(counts[n][kind] - base[kind]) / 1e6:+.1f}" for n in names[1:])
-              + " |")
-    print("| **total** | " + " | ".join(f"{sum(counts[n].values()) / 1e6:.1f}" for n in names)
-          + " | " + " | ".join(f"{(sum(counts[n].values()) - sum(base.values())) / 1e6:+.1f}"
-                               for n in names[1:]) + " |\n")
+    total = {n: bench.cost(c)["bytes"] for n, c in compiled.items()}
+    counts = {n: bytes_by_instruction(c) for n, c in compiled.items()}
+    for n in names:
+        if abs(sum(counts[n].values()) - total[n]) > 1e-3 * total[n]:
+            raise SystemExit(f"{n}: the instruction count gives {sum(counts[n].values())} "
+                             f"bytes, cost_analysis {total[n]}")
+    counts_total = {n: {**counts[n], "**total**": sum(counts[n].values())} for n in names}
+    base = counts_total["bare_bf16"]
+
+    def moved(kind):
+        return max(abs(counts_total[n].get(kind, 0) - base.get(kind, 0)) for n in names)
+    shown = 1e-3 * total["bare_bf16"]  # kinds that move less than 0.1% are left out
+    kinds = sorted((k for k in set().union(*counts.values()) if moved(k) >= shown),
+                   key=lambda k: -moved(k)) + ["**total**"]
+    rows = [{"instruction kind": kind,
+             **{f"{n} MB": f"{counts_total[n].get(kind, 0) / 1e6:.1f}" for n in names},
+             **{f"{n} − bare MB": f"{(counts_total[n].get(kind, 0) - base.get(kind, 0)) / 1e6:+.1f}"
+                for n in names[1:]}} for kind in kinds]
+    print(f"{bench.machine()}; encoder {cfg}, batch {batch_size}\n")
+    print(bench.markdown(rows, list(rows[0])) + "\n")
 
     times = bench.time_rounds({n: bench.stepper(compiled, states, n, batch) for n in names},
                               args.rounds)
-    print(f"{args.rounds} interleaved rounds\n")
-    print("| variant | median ms | time / bare bf16 | quartiles | GB accessed "
-          "| bytes / bare bf16 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
     for n in names:
         ratio, q25, q75 = bench.paired_ratio(times, n, "bare_bf16")
-        b = bench.cost(compiled[n])["bytes"]
-        print(f"| {n} | {1e3 * statistics.median(times[n]):.1f} | {ratio:.3f} | "
-              f"{q25:.3f}–{q75:.3f} | {b / 1e9:.3f} | "
-              f"{b / bench.cost(compiled['bare_bf16'])['bytes']:.4f} |")
-    return {n: bench.cost(c)["bytes"] for n, c in compiled.items()}
+        rows.append({"variant": n, "median ms": f"{1e3 * statistics.median(times[n]):.1f}",
+                     "time / bare bf16": f"{ratio:.3f}", "quartiles": f"{q25:.3f}–{q75:.3f}",
+                     "GB accessed": f"{total[n] / 1e9:.3f}",
+                     "bytes / bare bf16": f"{total[n] / total['bare_bf16']:.4f}"})
+    print(f"{args.rounds} interleaved rounds\n")
+    print(bench.markdown(rows, list(rows[0])))
+    return total
 
 
 if __name__ == "__main__":
