@@ -11,10 +11,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from bitwise import assert_tree_bitwise_equal
-from test_train_step import init_params
-from test_train_step import make_batch
-from test_train_step import mse_loss
+from helpers import assert_tree_bitwise_equal
+from helpers import init_params
+from helpers import make_batch
+from helpers import mse_loss
 
 import jaxamp
 from jaxamp import DynamicLossScale

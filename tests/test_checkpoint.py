@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from bitwise import assert_tree_bitwise_equal
+from helpers import assert_tree_bitwise_equal
 
 import jaxamp
 

@@ -9,13 +9,12 @@ import time
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
+from helpers import ROOT
+from helpers import final_state as _final_state
 
 from train import cli
 from train import train as train_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = {
     "digits": ["--model", "resnet18_small"],
@@ -44,12 +43,6 @@ def test_each_task_runs_and_writes_logs_checkpoint_and_plot(tmp_path, task):
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert os.listdir(tmp_path / "tensorboard")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
-
-
-def _final_state(workdir, step):
-    path = os.path.join(workdir, "checkpoints", str(step), "state")
-    with ocp.StandardCheckpointer() as ckpt:
-        return ckpt.restore(path)
 
 
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path):

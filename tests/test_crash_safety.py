@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 import orbax.checkpoint as ocp
-from bitwise import assert_tree_bitwise_equal
-from test_cli import ROOT
-from test_cli import _final_state
+from helpers import ROOT
+from helpers import assert_tree_bitwise_equal
+from helpers import final_state as _final_state
 
 from train import train as train_lib
 

@@ -10,7 +10,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from bitwise import assert_tree_bitwise_equal
+from helpers import assert_tree_bitwise_equal
 
 from train import data as D
 

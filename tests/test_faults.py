@@ -28,13 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-from bitwise import assert_tree_bitwise_equal  # noqa: E402
-from bitwise import bits  # noqa: E402
-from test_loss_scale import reference_sequence  # noqa: E402
-from test_train_step import init_params  # noqa: E402
-from test_train_step import make_batch  # noqa: E402
-from test_train_step import mse_loss  # noqa: E402
-from test_train_step import replicated_sharding  # noqa: E402
+from helpers import assert_tree_bitwise_equal  # noqa: E402
+from helpers import bits  # noqa: E402
+from helpers import init_params  # noqa: E402
+from helpers import make_batch  # noqa: E402
+from helpers import mse_loss  # noqa: E402
+from helpers import reference_sequence  # noqa: E402
+from helpers import replicated_sharding  # noqa: E402
 
 import jaxamp  # noqa: E402
 

@@ -3,7 +3,7 @@ loss scale grows into real overflows and backs off many times, against the fp32 
 
 import numpy as np
 import pytest
-from test_loss_scale import reference_sequence
+from helpers import reference_sequence
 
 from train import bench_long_fp16
 

@@ -8,6 +8,9 @@ import jmp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import F32_MAX
+from helpers import F32_TINY
+from helpers import reference_sequence
 from hypothesis import assume
 from hypothesis import given
 from hypothesis import settings
@@ -18,9 +21,6 @@ from jaxamp import DynamicLossScale
 from jaxamp import NoOpLossScale
 from jaxamp import StaticLossScale
 from jaxamp import all_finite
-
-F32_MAX = float(np.finfo(np.float32).max)
-F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
 @jax.jit
@@ -225,38 +225,6 @@ def test_default_growth_on_the_2000th_consecutive_finite_step():
 # --------------------------------------------------------------------------------------------
 # A plain python model of GradScaler's _amp_update_scale_, with bounds and hysteresis.
 # --------------------------------------------------------------------------------------------
-
-
-def reference_sequence(init_scale, finite_seq, *, growth_interval, growth_factor,
-                       backoff_factor, min_scale, max_scale, hysteresis, hysteresis_refill,
-                       tracker=0, left=None):
-    """``(scale, growth_tracker, hysteresis_left)`` after each step, from a state that starts at
-    ``init_scale`` with ``tracker`` and ``left`` (default: the full hysteresis budget)."""
-    scale = np.float32(init_scale)
-    lo = np.float32(F32_TINY if min_scale is None else min_scale)
-    hi = np.float32(F32_MAX if max_scale is None else max_scale)
-    growth, backoff = np.float32(growth_factor), np.float32(backoff_factor)
-    left = hysteresis if left is None else left
-    out = []
-    with np.errstate(over="ignore", under="ignore"):
-        for finite in finite_seq:
-            if finite:
-                tracker += 1
-                if hysteresis_refill == "finite":
-                    left = hysteresis
-                if tracker == growth_interval:
-                    grown = np.float32(scale * growth)
-                    if np.isfinite(grown):
-                        scale = min(grown, hi)
-                    tracker = 0
-                    left = hysteresis
-            else:
-                tracker = 0
-                left = max(left - 1, 0)
-                if left == 0:
-                    scale = max(np.float32(scale * backoff), lo)
-            out.append((float(scale), tracker, left))
-    return out
 
 
 def _compare_with_reference(init_scale, seq, **config):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from bitwise import assert_tree_bitwise_equal
+from helpers import assert_tree_bitwise_equal
 from hypothesis import Phase
 from hypothesis import given
 from hypothesis import settings

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from bitwise import assert_tree_bitwise_equal
 from flax import nnx
+from helpers import assert_tree_bitwise_equal
 
 import jaxamp
 from train import models

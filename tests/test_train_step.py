@@ -7,17 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from bitwise import assert_tree_bitwise_equal
-from bitwise import bits
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
+from helpers import BATCH
+from helpers import assert_tree_bitwise_equal
+from helpers import bits
+from helpers import hidden
+from helpers import init_params
+from helpers import make_batch
+from helpers import mlp
+from helpers import mse_loss
+from helpers import per_example_loss
+from helpers import replicated_sharding
 
 import jaxamp
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 N_DEVICES = 8
-BATCH = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,41 +34,6 @@ def assert_tree_allclose(a, b, **tol):
                             strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
                                    err_msg=jax.tree_util.keystr(path), **tol)
-
-
-def init_params(seed=0, n_out=1):
-    rng = np.random.default_rng(seed)
-    return {
-        "dense1": {"kernel": jnp.asarray(rng.normal(size=(4, 8)) * 0.5, F32),
-                   "bias": jnp.asarray(rng.normal(size=(8,)) * 0.1, F32)},
-        "dense2": {"kernel": jnp.asarray(rng.normal(size=(8, n_out)) * 0.5, F32),
-                   "bias": jnp.zeros((n_out,), F32)},
-    }
-
-
-def make_batch(seed=1, n=BATCH):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] - x[:, 3]).astype(np.float32)
-    return {"x": x, "y": y, "poison": np.ones((n,), np.float32)}
-
-
-def hidden(params, x):
-    return jnp.tanh(x @ params["dense1"]["kernel"] + params["dense1"]["bias"])
-
-
-def mlp(params, x):
-    return (hidden(params, x) @ params["dense2"]["kernel"] + params["dense2"]["bias"])[:, 0]
-
-
-def per_example_loss(params, batch):
-    pred = mlp(params, batch["x"]).astype(F32)
-    return (pred - batch["y"].astype(F32)) ** 2
-
-
-def mse_loss(params, batch):
-    """Mean squared error in fp32, multiplied by ``batch['poison']`` (ones, or an inf)."""
-    return jnp.mean(batch["poison"].astype(F32) * per_example_loss(params, batch))
 
 
 def xent_loss(params, batch):
@@ -86,10 +55,6 @@ def poisoned(batch, index, value=np.inf, field="poison"):
     out = {k: np.array(v) for k, v in batch.items()}
     out[field][index] = value
     return out
-
-
-def replicated_sharding():
-    return NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec())
 
 
 def mp_state(state):

@@ -1,0 +1,131 @@
+"""Helpers shared by the test modules: bitwise comparison, a tiny MLP with its losses and
+batch, the reference loss-scale model, and paths. Test files import from here, never from
+one another."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+F32 = jnp.float32
+BATCH = 16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+
+
+# --------------------------------------------------------------------------------------------
+# Bit-for-bit comparison
+# --------------------------------------------------------------------------------------------
+
+def bits(x):
+    """The raw bits of an array, as unsigned integers of the same width."""
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_tree_bitwise_equal(a, b):
+    """Same structure, same dtypes and shapes, and the same bits in every leaf."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        where = jax.tree_util.keystr(path)
+        assert x.dtype == y.dtype, where
+        assert x.shape == y.shape, where
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=where)
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny MLP, its loss and a batch
+# --------------------------------------------------------------------------------------------
+
+def init_params(seed=0, n_out=1):
+    rng = np.random.default_rng(seed)
+    return {
+        "dense1": {"kernel": jnp.asarray(rng.normal(size=(4, 8)) * 0.5, F32),
+                   "bias": jnp.asarray(rng.normal(size=(8,)) * 0.1, F32)},
+        "dense2": {"kernel": jnp.asarray(rng.normal(size=(8, n_out)) * 0.5, F32),
+                   "bias": jnp.zeros((n_out,), F32)},
+    }
+
+
+def make_batch(seed=1, n=BATCH):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    y = (np.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] - x[:, 3]).astype(np.float32)
+    return {"x": x, "y": y, "poison": np.ones((n,), np.float32)}
+
+
+def hidden(params, x):
+    return jnp.tanh(x @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+
+
+def mlp(params, x):
+    return (hidden(params, x) @ params["dense2"]["kernel"] + params["dense2"]["bias"])[:, 0]
+
+
+def per_example_loss(params, batch):
+    pred = mlp(params, batch["x"]).astype(F32)
+    return (pred - batch["y"].astype(F32)) ** 2
+
+
+def mse_loss(params, batch):
+    """Mean squared error in fp32, multiplied by ``batch['poison']`` (ones, or an inf)."""
+    return jnp.mean(batch["poison"].astype(F32) * per_example_loss(params, batch))
+
+
+def replicated_sharding():
+    return NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec())
+
+
+# --------------------------------------------------------------------------------------------
+# A plain python model of GradScaler's _amp_update_scale_, with bounds and hysteresis.
+# --------------------------------------------------------------------------------------------
+
+def reference_sequence(init_scale, finite_seq, *, growth_interval, growth_factor,
+                       backoff_factor, min_scale, max_scale, hysteresis, hysteresis_refill,
+                       tracker=0, left=None):
+    """``(scale, growth_tracker, hysteresis_left)`` after each step, from a state that starts at
+    ``init_scale`` with ``tracker`` and ``left`` (default: the full hysteresis budget)."""
+    scale = np.float32(init_scale)
+    lo = np.float32(F32_TINY if min_scale is None else min_scale)
+    hi = np.float32(F32_MAX if max_scale is None else max_scale)
+    growth, backoff = np.float32(growth_factor), np.float32(backoff_factor)
+    left = hysteresis if left is None else left
+    out = []
+    with np.errstate(over="ignore", under="ignore"):
+        for finite in finite_seq:
+            if finite:
+                tracker += 1
+                if hysteresis_refill == "finite":
+                    left = hysteresis
+                if tracker == growth_interval:
+                    grown = np.float32(scale * growth)
+                    if np.isfinite(grown):
+                        scale = min(grown, hi)
+                    tracker = 0
+                    left = hysteresis
+            else:
+                tracker = 0
+                left = max(left - 1, 0)
+                if left == 0:
+                    scale = max(np.float32(scale * backoff), lo)
+            out.append((float(scale), tracker, left))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI's checkpoints
+# --------------------------------------------------------------------------------------------
+
+def final_state(workdir, step):
+    """The raw state saved by the CLI at ``step`` under ``workdir``."""
+    path = os.path.join(workdir, "checkpoints", str(step), "state")
+    with ocp.StandardCheckpointer() as ckpt:
+        return ckpt.restore(path)
