@@ -118,6 +118,17 @@ def _floating_leaves_with_path(tree: Any) -> list[tuple[Any, Any]]:
             if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
 
 
+def _sum_of_squares(x: jax.Array) -> jax.Array:
+    """``sum(x**2)`` accumulated in fp32, as one dot that contracts every axis.
+
+    No reshape: flattening a gradient sharded along a minor axis would all-gather it first,
+    while a contraction over a sharded axis leaves a partial sum per device and one scalar
+    all-reduce.
+    """
+    axes = tuple(range(x.ndim))
+    return lax.dot_general(x, x, ((axes, axes), ((), ())), preferred_element_type=jnp.float32)
+
+
 def grad_stats(grads: Any, scale: Any = None) -> GradStats:
     """``(finite, norm, nonfinite_leaves, first_nonfinite_leaf)`` from one pass over ``grads``.
 
@@ -143,8 +154,7 @@ def grad_stats(grads: Any, scale: Any = None) -> GradStats:
     # A dot with fp32 accumulation reads each leaf once in its own dtype; on XLA:CPU a
     # convert-square-sum materialises an fp32 copy of the gradients first. fp16 inputs are
     # multiplied in fp32, so squares of large scaled fp16 gradients do not overflow.
-    sumsq = jnp.stack([jnp.dot(x.ravel(), x.ravel(), preferred_element_type=jnp.float32)
-                       for x in leaves])
+    sumsq = jnp.stack([_sum_of_squares(x) for x in leaves])
     total = jnp.sum(sumsq)
     bad = ~jnp.isfinite(sumsq)
     norm = jnp.sqrt(total)
@@ -177,8 +187,10 @@ def nonfinite_leaf_path(tree: Any, index: Any) -> str | None:
     return tree_path_str(leaves[index][0])
 
 
-# Backends where gradients are pinned to row-major before the check and the skip (see below).
-_PIN_LAYOUT_BACKENDS = frozenset({"cpu"})
+def _pins_layout(pin_grad_layout: bool | None) -> bool:
+    if pin_grad_layout is not None:
+        return bool(pin_grad_layout)
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _row_major_grads(grads: Any) -> Any:
@@ -191,14 +203,13 @@ def _row_major_grads(grads: Any) -> Any:
     transpose into the fusion that produces the gradient (its cast to the param dtype), so the
     step reads the grads once. On the encoder of ``python -m train.bench overhead`` this takes
     the bytes accessed from 1.022x to 1.012x the bare bf16 step. The constraint changes no
-    update and no sharding; only the reported grad norm, an fp32 sum whose order follows the
-    layout, may differ in its last bit. (Flattening the grads would also pin the layout, but
-    resharding a tensor-parallel gradient would cost more than it saves.) Only where measured:
-    on other backends (TPU's tiled layouts in particular) the grads pass through untouched.
+    update; only the reported grad norm, an fp32 sum whose order follows the layout, may
+    differ in its last bit. (Flattening the grads would also pin the layout, but resharding a
+    tensor-parallel gradient would cost more than it saves; the constraint itself makes XLA's
+    partitioner all-gather a sharded gradient, so by default it is applied only on a single
+    CPU device.) Only where measured: on other backends (TPU's tiled layouts in particular)
+    the grads pass through untouched.
     """
-    if jax.default_backend() not in _PIN_LAYOUT_BACKENDS:
-        return grads
-
     def pin(g):
         if isinstance(g, jax.core.Tracer) and getattr(g, "ndim", 0) >= 2:
             return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
@@ -240,6 +251,7 @@ def mixed_precision(
     *,
     loss_scale: LossScale | None = None,
     stall_after: int | None = 10,
+    pin_grad_layout: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
 
@@ -253,6 +265,11 @@ def mixed_precision(
         way; ``stalled`` tells a training loop that loss scaling cannot fix the overflow (a
         nan in the data, a diverged model) and that it should stop. A fixed scale (static or
         none) is always at its minimum; a dynamic one once it has backed off to ``min_scale``.
+      pin_grad_layout: pin traced gradients of rank >= 2 to row-major before the finite
+        check and the skip. ``None`` (default): only on XLA:CPU with a single device, where it
+        was measured to save two passes over the gradients; ``True``/``False`` force it on or
+        off. It changes no update, but XLA's partitioner all-gathers a gradient sharded over
+        a device mesh to pin it, which is why the default leaves several devices alone.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
@@ -316,7 +333,8 @@ def mixed_precision(
                              "compute updates; call tx.update(grads, state, params)")
         _check_same_structure(updates, state.master_params)
         scale = state.loss_scale
-        updates = _row_major_grads(updates)
+        if _pins_layout(pin_grad_layout):
+            updates = _row_major_grads(updates)
         # 3 first: one reduction over the still-scaled grads gives the finite check, the norm
         # and the count of non-finite leaves. It reads each gradient once, in its own dtype.
         finite, norm, nonfinite, first_bad = grad_stats(updates, scale.loss_scale)

@@ -561,16 +561,15 @@ def test_works_as_an_nnx_optimizer():
 # Gradient layout on XLA:CPU
 # --------------------------------------------------------------------------------------------
 
-def _mlp_steps(pin: bool, monkeypatch):
+def _mlp_steps(pin: bool):
     """A jitted 2-layer MLP step under mixed_bfloat16 adamw, with the layout pin on or off."""
-    monkeypatch.setattr(jaxamp.master, "_PIN_LAYOUT_BACKENDS",
-                        frozenset({jax.default_backend()} if pin else ()))
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     master = {"w1": jax.random.normal(k1, (64, 256)) * 0.1,
               "w2": jax.random.normal(k2, (256, 32)) * 0.1, "b": jnp.zeros(32)}
     x = jax.random.normal(k3, (128, 64))
     tx = jaxamp.mixed_precision(optax.adamw(1e-2), "mixed_bfloat16",
-                                loss_scale=jaxamp.DynamicLossScale(2.0 ** 15))
+                                loss_scale=jaxamp.DynamicLossScale(2.0 ** 15),
+                                pin_grad_layout=pin)
     policy = jaxamp.get_policy("mixed_bfloat16")
 
     def step(params, opt_state, x):
@@ -593,9 +592,9 @@ def _mlp_steps(pin: bool, monkeypatch):
     return compiled, trajectory
 
 
-def test_gradient_layout_pin_changes_no_value_and_saves_traffic(monkeypatch):
-    pinned, with_pin = _mlp_steps(True, monkeypatch)
-    unpinned, without_pin = _mlp_steps(False, monkeypatch)
+def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
+    pinned, with_pin = _mlp_steps(True)
+    unpinned, without_pin = _mlp_steps(False)
     assert not bool(jaxamp.find_state(with_pin[2][1]).grads_finite)
     # Params, master, moments, scale and counters are bit-identical. The reported grad norm is
     # an fp32 sum whose order follows the layout: equal to within an ulp.
@@ -626,8 +625,10 @@ def test_gradient_layout_pin_leaves_eager_and_vmapped_updates_alone():
     np.testing.assert_array_equal(np.asarray(batched[1], np.float32), -2.0)
 
 
-def test_gradient_layout_pin_keeps_tensor_parallel_sharding(monkeypatch):
-    """Pinning the layout adds no collective: a sharded gradient is never resharded for it."""
+def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
+    """The default adds no collective on a mesh: a sharded gradient is never gathered for the
+    layout pin (XLA's partitioner would all-gather it to pin it, so the default leaves several
+    devices alone), and the norm of a sharded gradient is reduced without gathering it."""
     from jax.sharding import Mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -636,21 +637,22 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding(monkeypatch):
                  "w2": NamedSharding(mesh, P("model", None))}
     master = jax.device_put({"w1": jnp.full((16, 32), 0.1), "w2": jnp.full((32, 8), 0.1)},
                             shardings)
-    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16")
-    state = jaxamp.TrainState.create(params=master, tx=tx)
     x = {"x": jax.random.normal(jax.random.key(0), (64, 16))}
 
     def loss(p, b):
         return jnp.mean((jax.nn.relu(b["x"] @ p["w1"]) @ p["w2"]).astype(F32) ** 2)
     step = jaxamp.make_train_step(loss)
 
+    def state_with(pin):
+        tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16", pin_grad_layout=pin)
+        return jaxamp.TrainState.create(params=master, tx=tx)
+
     def collectives(pin):
-        monkeypatch.setattr(jaxamp.master, "_PIN_LAYOUT_BACKENDS",
-                            frozenset({jax.default_backend()} if pin else ()))
-        text = jax.jit(step).lower(state, x).compile().as_text()
+        text = jax.jit(step).lower(state_with(pin), x).compile().as_text()
         return {op: text.count(f" {op}(") for op in
                 ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
-    assert collectives(True) == collectives(False)
-    new_state, _ = jax.jit(step)(state, x)
+    assert collectives(None) == collectives(False)
+    assert collectives(None)["all-gather"] == 0
+    new_state, _ = jax.jit(step)(state_with(None), x)
     assert new_state.params["w1"].sharding.spec == P(None, "model")
     assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
