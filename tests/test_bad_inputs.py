@@ -4,6 +4,8 @@ names the argument, the value given and the fix, and leaves nothing half-updated
 import dataclasses
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from helpers import ROOT
 from helpers import assert_tree_bitwise_equal
 from helpers import init_params
 from helpers import make_batch
@@ -315,3 +318,199 @@ def test_resuming_from_another_models_checkpoint_fails_clearly_and_touches_nothi
     assert "another --workdir" in message
     # Nothing written: no log, no summary, no new or changed checkpoint.
     assert _tree_bytes(tmp_path) == before
+
+
+# --------------------------------------------------------------------------------------------
+# A bad --data file, through the CLI: one line, exit status 2, no workdir
+# --------------------------------------------------------------------------------------------
+
+def _images(n=40):
+    return np.random.default_rng(0).integers(0, 256, (n, 8, 8), dtype=np.uint8)
+
+
+def _npz(name="data.npz", **arrays):
+    def write(tmp_path):
+        path = tmp_path / name
+        with open(path, "wb") as f:  # a file object: np.savez appends no .npz to the name
+            np.savez(f, **arrays)
+        return path
+    return write
+
+
+def _raw(name, content):
+    def write(tmp_path):
+        path = tmp_path / name
+        path.write_bytes(content)
+        return path
+    return write
+
+
+def _truncated(tmp_path):
+    path = _npz(image=_images(), label=np.arange(40) % 3)(tmp_path)
+    content = path.read_bytes()
+    path.write_bytes(content[:len(content) // 2])
+    return path
+
+
+def _bad_crc(tmp_path):
+    path = _npz(image=_images(), label=np.arange(40) % 3)(tmp_path)
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0xFF  # in the middle of the (stored, uncompressed) pixels
+    path.write_bytes(bytes(content))
+    return path
+
+
+def _npy_as_npz(tmp_path):
+    path = tmp_path / "data.npz"
+    with open(path, "wb") as f:
+        np.save(f, _images())
+    return path
+
+
+def _directory(tmp_path):
+    (tmp_path / "data.npz").mkdir()
+    return tmp_path / "data.npz"
+
+
+_TEXT = ["--task", "text", "--model", "gpt_tiny", "--seq-len", "16"]
+_LABELS = np.arange(40) % 3
+_EXPECTED_NPZ = "expected a .npz archive with images under 'image'"
+
+# (id, writes the file into tmp_path and returns its path, extra CLI arguments, fragments of the
+# one line after "<file>: ")
+DATA_CASES = [
+    ("negative_labels", _npz(image=_images(), label=np.r_[-1, _LABELS[1:]]), [],
+     ["labels 'label' include -1 (1 of 40 are negative)",
+      "expected class ids in [0, num_classes)"]),
+    ("labels_beyond_num_classes", _npz(image=_images(), label=np.arange(40) % 12),
+     ["--num-classes", "10"],
+     ["labels 'label' go up to 11, outside num_classes=10", "expected class ids in [0, 10)"]),
+    ("fractional_float_labels", _npz(image=_images(), label=np.arange(40) * 0.5), [],
+     ["labels 'label' are float64[40] and include 0.5, not a class id",
+      "expected one integer class per image, shaped [N]"]),
+    ("whole_float_labels", _npz(image=_images(), label=_LABELS.astype(np.float64)), [],
+     ["labels 'label' are float64[40], whole numbers stored as floats",
+      "labels.astype(np.int64)", "expected one integer class per image"]),
+    ("one_hot_labels", _npz(image=_images(), label=np.eye(3, dtype=np.int64)[_LABELS]), [],
+     ["labels 'label' are int64[40, 3]", "labels.argmax(axis=1)",
+      "expected one integer class per image, shaped [N]"]),
+    ("truncated_npz", _truncated, [],
+     ["is truncated or corrupt (BadZipFile", "expected a complete .npz archive"]),
+    ("npz_with_a_bad_crc", _bad_crc, [],
+     ["is truncated or corrupt (BadZipFile: Bad CRC-32", "expected a complete .npz archive"]),
+    ("object_array", _npz(image=_images(), label=np.array([1, "a"] * 20, dtype=object)), [],
+     ["array 'label' holds Python objects (dtype=object)", "pickle",
+      "expected numeric arrays"]),
+    ("missing_label_key", _npz(image=_images(), targets=_LABELS), [],
+     ["has arrays ['image', 'targets']", "expected labels under one of 'label', 'labels', 'y'",
+      "np.savez(path, image=images, label=labels)"]),
+    ("missing_image_key", _npz(pixels=_images(), label=_LABELS), [],
+     ["has arrays ['label', 'pixels']", "expected images under one of 'image', 'images', 'x'"]),
+    ("length_mismatch", _npz(image=_images(), label=_LABELS[:39]), [],
+     ["40 images 'image' but 39 labels 'label'", "expected one label per image"]),
+    ("images_of_wrong_rank", _npz(image=np.zeros((40, 64)), label=_LABELS), [],
+     ["images 'image' have shape (40, 64)", "expected [N, H, W] or [N, H, W, C]"]),
+    ("empty_arrays", _npz(image=np.zeros((0, 8, 8), np.uint8), label=np.zeros(0, np.int64)), [],
+     ["images 'image' have shape (0, 8, 8, 1), no pixels", "expected at least one image"]),
+    ("nonfinite_images", _npz(image=np.where(np.arange(40)[:, None, None] == 5, np.nan,
+                                             np.full((40, 8, 8), 0.5)), label=_LABELS), [],
+     ["images 'image' hold 64 values that are inf or nan", "the first in image 5",
+      "expected finite pixel values"]),
+    ("string_images", _npz(image=np.full((40, 8, 8), "a"), label=_LABELS), [],
+     ["images 'image' are <U1", "expected real numbers"]),
+    ("too_few_examples", _npz(image=_images(10), label=np.arange(10) % 3), [],
+     ["holds 10 examples, 8 for training and 2 held out for eval", "expected at least 20",
+      "--batch-size 16", "or a smaller --batch-size"]),
+    ("empty_file", _raw("data.npz", b""), [], ["is empty (0 bytes)", _EXPECTED_NPZ]),
+    ("not_a_zip", _raw("data.npz", b"image,label\n0,1\n"), [],
+     ["is not a .npz archive (a .npz is a zip file", _EXPECTED_NPZ]),
+    ("npy_named_npz", _npy_as_npz, [], ["holds a single array (a .npy file), not a .npz archive",
+                                        _EXPECTED_NPZ]),
+    ("nonexistent_path", lambda tmp_path: tmp_path / "nowhere.npz", [],
+     ["no such file", _EXPECTED_NPZ]),
+    ("directory", _directory, [], ["is a directory", _EXPECTED_NPZ]),
+    ("wrong_extension", _raw("data.csv", b"0,1\n"), [],
+     ["has the extension .csv", "expected a .npz archive for --task digits"]),
+    ("text_not_utf8", _raw("corpus.txt", b"hello \xff world " * 100), _TEXT,
+     ["is not UTF-8 text (byte 6 is 0xff", "expected a UTF-8 text file"]),
+    ("text_empty", _raw("corpus.txt", b""), _TEXT, ["is empty", "expected a UTF-8 text file"]),
+    ("text_too_short", _raw("corpus.txt", b"hello"), _TEXT,
+     ["holds 5 bytes, 5 for training and 0 held out for eval", "expected at least 170 bytes",
+      "--seq-len 16 + 1 bytes", "or a smaller --seq-len"]),
+    ("text_given_an_npz", _npz(image=_images(), label=_LABELS), _TEXT,
+     ["is a numpy .npz file", "expected a UTF-8 text file for --task text"]),
+    ("text_nonexistent", lambda tmp_path: tmp_path / "corpus.txt", _TEXT,
+     ["no such file", "expected a UTF-8 text file"]),
+    ("text_directory", lambda tmp_path: tmp_path, _TEXT,
+     ["is a directory", "expected a UTF-8 text file"]),
+]
+
+
+def _cli_error(tmp_path, capsys, path, *args):
+    from train import cli
+    workdir = tmp_path / "workdir"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--config", "tiny", "--no-progress", "--data", str(path), "--workdir",
+                  str(workdir), *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert not workdir.exists()
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    return err
+
+
+def test_the_data_catalogue_ids_are_unique():
+    assert len({case[0] for case in DATA_CASES}) == len(DATA_CASES) >= 25
+
+
+@pytest.mark.parametrize("write, args, fragments", [c[1:] for c in DATA_CASES],
+                         ids=[c[0] for c in DATA_CASES])
+def test_a_bad_data_file_is_one_line_and_writes_nothing(tmp_path, capsys, write, args, fragments):
+    path = write(tmp_path)
+    err = _cli_error(tmp_path, capsys, path, *args)
+    assert err.startswith(f"python -m train: error: {path}: "), err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+def test_data_with_a_task_that_makes_its_own_is_refused(tmp_path, capsys):
+    path = _npz(image=_images(), label=_LABELS)(tmp_path)
+    err = _cli_error(tmp_path, capsys, path, "--task", "synthetic_images")
+    assert err.startswith(f"python -m train: error: --data {path} with --task synthetic_images")
+    assert "expected --task digits for .npz images, or text or mlm for a text file" in err
+
+
+def test_num_classes_below_one_is_refused(tmp_path, capsys):
+    path = _npz(image=_images(), label=_LABELS)(tmp_path)
+    err = _cli_error(tmp_path, capsys, path, "--num-classes", "0")
+    assert "--num-classes 0; expected a positive number of classes" in err
+
+
+def test_a_good_data_file_is_summarized_with_its_inferred_classes(tmp_path, capsys):
+    from train import cli
+    from train.configs import get_config
+    path = _npz(image=_images(), label=np.arange(40) % 12)(tmp_path)
+    config = cli.check_data(get_config("tiny", data=str(path)))
+    assert config.num_classes == 12
+    assert capsys.readouterr().out == (f"data: {path}: 40 examples, image shape 8x8x1, "
+                                       "num_classes=12 (inferred from labels)\n")
+    assert cli.check_data(get_config("tiny", data=str(path)), num_classes=20).num_classes == 20
+    assert "num_classes=20 (from --num-classes)" in capsys.readouterr().out
+    text = _raw("corpus.txt", "naïve text ".encode() * 20)(tmp_path)
+    cli.check_data(get_config("tiny", task="text", seq_len=16, data=str(text)))
+    assert capsys.readouterr().out == f"data: {text}: 240 bytes of UTF-8 text, vocab=256 (bytes)\n"
+
+
+@pytest.mark.parametrize("case", ["negative_labels", "truncated_npz"])
+def test_a_bad_data_file_end_to_end(tmp_path, case):
+    _, write, args, fragments = next(c for c in DATA_CASES if c[0] == case)
+    path, workdir = write(tmp_path), tmp_path / "workdir"
+    proc = subprocess.run([sys.executable, "-m", "train", "--config", "tiny", "--data", str(path),
+                           "--workdir", str(workdir), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.startswith(f"python -m train: error: {path}: ")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(fragment in proc.stderr for fragment in fragments), proc.stderr
+    assert not workdir.exists()

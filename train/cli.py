@@ -13,15 +13,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 
+from train import data as data_lib
 from train.configs import PRESETS
 from train.configs import get_config
 
+PROG = "python -m train"
 PRECISIONS = ("auto", "float32", "bfloat16", "mixed_bfloat16", "mixed_float16")
+DATA_HELP = (
+    "your own data instead of the task's. --task digits: a .npz archive, "
+    "np.savez(FILE, image=images, label=labels), with images [N, H, W] or [N, H, W, C] (uint8 "
+    "0-255 or float, finite) and integer labels [N] in 0..num_classes-1 (num_classes is inferred "
+    "from the labels unless --num-classes is given). --task text or mlm: a UTF-8 text file, "
+    "trained on byte by byte. 20%% of the images, or the last 10%% of the text, are held out "
+    "for eval.")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", choices=sorted(PRESETS))
     ap.add_argument("--task", choices=("digits", "text", "mlm", "synthetic_images",
                                        "synthetic_text"))
@@ -45,7 +56,10 @@ def parser() -> argparse.ArgumentParser:
                          "the minimum loss scale (default 10; 0: keep skipping)")
     ap.add_argument("--checkpoint-every", type=int)
     ap.add_argument("--keep-checkpoints", type=int)
-    ap.add_argument("--data", help="your own .npz images (image/label) or a text file")
+    ap.add_argument("--data", metavar="FILE", help=DATA_HELP)
+    ap.add_argument("--num-classes", type=int, metavar="K",
+                    help="the classes of --data images: labels must lie in [0, K) "
+                         "(default: the largest label + 1)")
     ap.add_argument("--workdir", default=None, help="default: runs/<config>")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     ap.add_argument("--compare", help="comma-separated precisions to train side by side")
@@ -70,7 +84,12 @@ def main(argv=None):
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     if args.no_progress:
         overrides["progress"] = False
+    if args.num_classes is not None and args.num_classes < 1:
+        _fail(f"--num-classes {args.num_classes}; expected a positive number of classes")
     config = get_config(args.config, **overrides)
+    if config.data:
+        # Before anything is written: a bad file leaves no workdir behind.
+        config = check_data(config, args.num_classes)
     workdir = args.workdir or f"runs/{args.config}"
     if args.compare:
         train_lib.compare(config, args.compare.split(","), workdir)
@@ -78,5 +97,93 @@ def main(argv=None):
     try:
         summary = train_lib.train_and_evaluate(config, workdir, resume=args.resume)
     except (train_lib.TrainingStalled, train_lib.CheckpointMismatch) as e:
-        raise SystemExit(f"python -m train: error: {e}") from e
+        raise SystemExit(f"{PROG}: error: {e}") from e
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+
+
+IMAGE_TASKS, TEXT_TASKS = ("digits",), ("text", "mlm")
+
+
+def check_data(config, num_classes: int | None = None):
+    """Loads and checks ``config.data`` for ``config.task``, prints what it holds, and returns
+    the config with ``num_classes`` set for an image file (``num_classes``, or else inferred from
+    the labels). A bad file exits with status 2 and one line, ``python -m train: error:
+    <file>: <what is wrong>; <what is expected>``."""
+    path, task = config.data, config.task
+    if task not in IMAGE_TASKS + TEXT_TASKS:
+        _fail(f"--data {path} with --task {task}, which makes its own data; expected --task "
+              f"{' or '.join(IMAGE_TASKS)} for .npz images, or {' or '.join(TEXT_TASKS)} for a "
+              "text file")
+    suffix = os.path.splitext(path)[1].lower()
+    try:
+        if task in IMAGE_TASKS:
+            if os.path.isfile(path) and suffix != ".npz":
+                raise data_lib.DataError(
+                    f"{path}: has the extension {suffix or '(none)'}; expected a .npz archive "
+                    f"for --task {task} (a text file trains with --task text or mlm)")
+            arrays = data_lib.load_npz_images(path, num_classes=num_classes)
+            num_examples = len(arrays["label"])
+            height, width, channels = arrays["image"].shape[1:]
+            inferred = num_classes is None
+            if inferred:
+                num_classes = int(arrays["label"].max()) + 1
+            _check_enough(path, num_examples, "examples", _image_split, config.batch_size, 1,
+                          f"a batch of --batch-size {config.batch_size} for training and one "
+                          "example for eval", "a smaller --batch-size")
+            summary = (f"{num_examples} examples, image shape {height}x{width}x{channels}, "
+                       f"num_classes={num_classes} "
+                       f"({'inferred from labels' if inferred else 'from --num-classes'})")
+            config = dataclasses.replace(config, num_classes=num_classes)
+        else:
+            if os.path.isfile(path) and suffix in (".npz", ".npy"):
+                raise data_lib.DataError(
+                    f"{path}: is a numpy {suffix} file; expected a UTF-8 text file for --task "
+                    f"{task} (.npz images train with --task digits)")
+            num_bytes = len(data_lib.load_text_file(path))
+            window = config.seq_len + 1
+            _check_enough(path, num_bytes, "bytes", _text_split, window, window,
+                          f"a window of --seq-len {config.seq_len} + 1 bytes in each part",
+                          "a smaller --seq-len")
+            summary = f"{num_bytes} bytes of UTF-8 text, vocab={data_lib.BYTE_VOCAB} (bytes)"
+    except data_lib.DataError as e:
+        _fail(str(e))
+    if _is_chief():
+        print(f"data: {path}: {summary}", flush=True)
+    return config
+
+
+def _image_split(n: int) -> tuple[int, int]:
+    """(train, eval) examples, as ``train.build_data`` splits images: 20% held out."""
+    n_eval = round(0.2 * n)
+    return n - n_eval, n_eval
+
+
+def _text_split(n: int) -> tuple[int, int]:
+    """(train, eval) bytes, as ``train.build_data`` splits text: the last 10% held out."""
+    return n - n // 10, n // 10
+
+
+def _check_enough(path, n, unit, split, train_need, eval_need, what, fix):
+    """Raises a DataError unless ``split(n)`` leaves ``train_need`` items for training and
+    ``eval_need`` for eval."""
+    train_part, eval_part = split(n)
+    if train_part >= train_need and eval_part >= eval_need:
+        return
+    least = n
+    while split(least)[0] < train_need or split(least)[1] < eval_need:
+        least += 1
+    raise data_lib.DataError(
+        f"{path}: holds {n} {unit}, {train_part} for training and {eval_part} held out for eval; "
+        f"expected at least {least} {unit}, enough for {what}, or {fix}")
+
+
+def _is_chief() -> bool:
+    import jax
+    return jax.process_index() == 0
+
+
+def _fail(message: str):
+    """Exits with status 2, as argparse does, after one line on stderr."""
+    one_line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    print(f"{PROG}: error: {one_line}", file=sys.stderr, flush=True)
+    raise SystemExit(2)

@@ -4,7 +4,8 @@ Everything here runs on the host in numpy; nothing depends on the models. The pi
 
 - Real data that ships with installed packages: `load_digits` (scikit-learn's 1,797 8x8 digits) and
   `load_text` (Python's own ``pydoc_data.topics``, about 465k characters, as bytes).
-- A user's data on disk: `load_npz_images` and `load_text_file`.
+- A user's data on disk: `load_npz_images` and `load_text_file`; a file that cannot be trained on
+  raises `DataError`, whose one-line message names the file, what is wrong and what is expected.
 - Synthetic data for throughput runs: `synthetic_images` and `synthetic_tokens`.
 - `split`, a seeded train/eval split.
 - `Batches` (arrays) and `TextBatches` (windows of a token stream, next-token or masked-LM
@@ -26,6 +27,7 @@ A training loop::
 from __future__ import annotations
 
 import operator
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -104,20 +106,37 @@ def decode(tokens: Iterable[int] | np.ndarray) -> str:
 # A user's data on disk.
 
 
-def load_npz_images(path: str | PathLike[str]) -> dict[str, np.ndarray]:
+class DataError(ValueError):
+    """A data file that cannot be trained on: missing, unreadable, corrupt, or holding the wrong
+    arrays. The message is one line, ``<file>: <what is wrong>; <what is expected>``."""
+
+
+NPZ_EXPECTED = ("a .npz archive with images under 'image' ([N, H, W] or [N, H, W, C], uint8 "
+                "pixels or floats) and integer labels under 'label' ([N], 0 to num_classes - 1), "
+                "saved with np.savez(path, image=images, label=labels)")
+TEXT_EXPECTED = "a UTF-8 text file to train on"
+
+
+def load_npz_images(path: str | PathLike[str],
+                    num_classes: int | None = None) -> dict[str, np.ndarray]:
     """Loads images and integer labels from a ``.npz`` archive.
 
     The images are the array named ``image``, ``images`` or ``x`` (the first found), shaped
-    ``[N, H, W]`` or ``[N, H, W, C]``; ``uint8`` pixels are scaled to [0, 1], any other dtype is
-    cast to float32 unchanged. The labels are the integer array named ``label``, ``labels`` or
-    ``y``, shaped ``[N]``.
+    ``[N, H, W]`` or ``[N, H, W, C]``, with finite values; ``uint8`` pixels are scaled to [0, 1],
+    any other real dtype is cast to float32 unchanged. The labels are the integer array named
+    ``label``, ``labels`` or ``y``, shaped ``[N]``, with class ids in ``[0, num_classes)``; without
+    ``num_classes`` they only need to be non-negative (the number of classes is then
+    ``labels.max() + 1``). Labels stored as floats are refused, even whole ones. The archive is
+    read without pickle (``allow_pickle=False``), so object arrays are refused too.
 
     Returns:
         ``{"image": float32[N, H, W, C], "label": int32[N]}``.
 
     Raises:
-        ValueError: the archive lacks one of the two arrays (the message lists the arrays it
-            has), or their shapes or dtypes do not fit.
+        DataError: (a ``ValueError``) the file is missing, a directory, empty, not a ``.npz``
+            archive, truncated or corrupt, lacks one of the two arrays (the message lists the
+            arrays it has), or their shapes, dtypes or values do not fit. The message names the
+            file, what is wrong and what is expected.
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "data.npz")
@@ -125,10 +144,24 @@ def load_npz_images(path: str | PathLike[str]) -> dict[str, np.ndarray]:
     >>> {k: v.shape for k, v in load_npz_images(path).items()}
     {'image': (5, 28, 28, 1), 'label': (5,)}
     """
-    archive = np.load(path, allow_pickle=False)
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path} holds a single array, not a .npz archive; save images and "
-                         "labels with np.savez(path, image=images, label=labels)")
+    if num_classes is not None:
+        _check_positive(num_classes=num_classes)
+    name = os.fspath(path)
+    head = _read_file(path, NPZ_EXPECTED, size=6)
+    if not head:
+        raise DataError(f"{name}: is empty (0 bytes); expected {NPZ_EXPECTED}")
+    if head.startswith(b"\x93NUMPY"):
+        raise DataError(f"{name}: holds a single array (a .npy file), not a .npz archive; "
+                        f"expected {NPZ_EXPECTED}")
+    if not head.startswith(b"PK"):  # every zip file, and so every .npz, starts with "PK"
+        raise DataError(f"{name}: is not a .npz archive (a .npz is a zip file, and this is not "
+                        f"one); expected {NPZ_EXPECTED}")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except MemoryError:
+        raise
+    except Exception as e:  # zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error, ...
+        raise _corrupt(name, e) from e
     with archive:
         image_key = next((k for k in IMAGE_KEYS if k in archive), None)
         label_key = next((k for k in LABEL_KEYS if k in archive), None)
@@ -136,28 +169,56 @@ def load_npz_images(path: str | PathLike[str]) -> dict[str, np.ndarray]:
             missing = [f"{what} under one of {', '.join(map(repr, keys))}"
                        for what, key, keys in (("images", image_key, IMAGE_KEYS),
                                                ("labels", label_key, LABEL_KEYS)) if key is None]
-            raise ValueError(f"{path} has arrays {sorted(archive.keys())}; expected "
-                             f"{' and '.join(missing)}. Save them with "
-                             "np.savez(path, image=images, label=labels)")
-        images, labels = archive[image_key], archive[label_key]
+            raise DataError(f"{name}: has arrays {sorted(archive.keys())}; expected "
+                            f"{' and '.join(missing)}. Save them with "
+                            "np.savez(path, image=images, label=labels)")
+        images = _read_member(archive, image_key, name)
+        labels = _read_member(archive, label_key, name)
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4:
-        raise ValueError(f"{path}: images {image_key!r} have shape {images.shape}; expected "
-                         "[N, H, W] or [N, H, W, C]")
+        raise DataError(f"{name}: images {image_key!r} have shape {images.shape}; expected "
+                        "[N, H, W] or [N, H, W, C]")
+    if not (np.issubdtype(images.dtype, np.integer) or np.issubdtype(images.dtype, np.floating)
+            or images.dtype == np.bool_):
+        raise DataError(f"{name}: images {image_key!r} are {images.dtype}; expected real numbers "
+                        "(uint8 pixels 0-255, or floats)")
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"{path}: labels {label_key!r} are {labels.dtype}{list(labels.shape)}; "
-                         "expected one integer class per image, shaped [N]")
+        raise DataError(f"{name}: labels {label_key!r} are {labels.dtype}{list(labels.shape)}"
+                        f"{_label_hint(labels)}; expected one integer class per image, "
+                        "shaped [N]")
     if len(labels) != len(images):
-        raise ValueError(f"{path}: {len(images)} images {image_key!r} but {len(labels)} labels "
-                         f"{label_key!r}; expected one label per image")
+        raise DataError(f"{name}: {len(images)} images {image_key!r} but {len(labels)} labels "
+                        f"{label_key!r}; expected one label per image")
+    if images.size == 0:
+        raise DataError(f"{name}: images {image_key!r} have shape {images.shape}, no pixels; "
+                        "expected at least one image of at least 1x1 pixels")
     if images.dtype == np.uint8:
         images = images.astype(np.float32) / 255.0
-    return {"image": images.astype(np.float32), "label": labels.astype(np.int32)}
+    images = images.astype(np.float32)
+    finite = np.isfinite(images)
+    if not finite.all():
+        first = int(np.argmin(finite.reshape(len(images), -1).all(axis=1)))
+        raise DataError(f"{name}: images {image_key!r} hold {int(finite.size - finite.sum())} "
+                        f"values that are inf or nan in float32, the first in image {first}; "
+                        "expected finite pixel values")
+    lowest, highest = int(labels.min()), int(labels.max())
+    limit = 2**31 - 1 if num_classes is None else num_classes
+    if lowest < 0:
+        raise DataError(f"{name}: labels {label_key!r} include {lowest} ({int((labels < 0).sum())}"
+                        f" of {len(labels)} are negative); expected class ids in "
+                        f"[0, {'num_classes' if num_classes is None else num_classes})")
+    if highest >= limit:
+        raise DataError(f"{name}: labels {label_key!r} go up to {highest}, outside "
+                        f"num_classes={limit}; expected class ids in [0, {limit})")
+    return {"image": images, "label": labels.astype(np.int32)}
 
 
 def load_text_file(path: str | PathLike[str]) -> np.ndarray:
-    """Loads a text file as byte-level tokens (``uint8``, the file's bytes, vocabulary 256).
+    """Loads a UTF-8 text file as byte-level tokens (``uint8``, the file's bytes, vocabulary 256).
+
+    Raises:
+        DataError: (a ``ValueError``) the file is missing, a directory, empty or not UTF-8.
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "corpus.txt")
@@ -166,11 +227,67 @@ def load_text_file(path: str | PathLike[str]) -> np.ndarray:
     >>> load_text_file(path).tolist()
     [104, 101, 108, 108, 111]
     """
-    with open(path, "rb") as f:
-        tokens = np.frombuffer(f.read(), dtype=np.uint8).copy()
-    if tokens.size == 0:
-        raise ValueError(f"{path} is empty; expected a text file to train on")
-    return tokens
+    name = os.fspath(path)
+    raw = _read_file(path, TEXT_EXPECTED)
+    if not raw:
+        raise DataError(f"{name}: is empty; expected {TEXT_EXPECTED}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{name}: is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}, "
+                        f"which UTF-8 does not allow there); expected {TEXT_EXPECTED}") from None
+    return np.frombuffer(raw, dtype=np.uint8).copy()
+
+
+def _read_file(path: str | PathLike[str], expected: str, size: int = -1) -> bytes:
+    """The first ``size`` bytes of ``path`` (all with -1), or a `DataError` saying why not."""
+    name = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataError(f"{name}: is a directory; expected {expected}")
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except FileNotFoundError:
+        raise DataError(f"{name}: no such file; expected {expected}") from None
+    except OSError as e:
+        raise DataError(f"{name}: cannot be read ({e.strerror or e}); expected {expected}") \
+            from None
+
+
+def _read_member(archive: Any, key: str, name: str) -> np.ndarray:
+    try:
+        return archive[key]
+    except MemoryError:
+        raise
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise _corrupt(name, e) from e
+        raise DataError(f"{name}: array {key!r} holds Python objects (dtype=object), which "
+                        "are not loaded because that takes pickle; expected numeric arrays, e.g. "
+                        "np.savez(path, image=np.asarray(images, np.float32), "
+                        "label=np.asarray(labels, np.int64))") from None
+    except Exception as e:  # zipfile.BadZipFile (a bad CRC), zlib.error, EOFError, ...
+        raise _corrupt(name, e) from e
+
+
+def _corrupt(name: str, e: BaseException) -> DataError:
+    reason = " ".join(str(e).split())[:120]
+    return DataError(f"{name}: is truncated or corrupt ({type(e).__name__}: {reason}); expected "
+                     "a complete .npz archive: write it again with np.savez")
+
+
+def _label_hint(labels: np.ndarray) -> str:
+    """Why labels of the wrong shape or dtype are wrong, beyond their dtype and shape."""
+    if labels.ndim == 2 and labels.shape[1] > 1:
+        return " (one-hot? save labels.argmax(axis=1))"
+    if labels.ndim == 2 and labels.shape[1] == 1:
+        return " (save labels.reshape(-1))"
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.floating) or not labels.size:
+        return ""
+    fractional = labels[~np.isfinite(labels) | (labels != np.round(labels))]
+    if fractional.size:
+        return f" and include {fractional[0]}, not a class id"
+    return ", whole numbers stored as floats (save them with labels.astype(np.int64))"
 
 
 # Synthetic data for throughput runs.
