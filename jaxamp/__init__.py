@@ -2,26 +2,39 @@
 
 A precision policy casts params and activations to bf16 or fp16, FP32 master weights live in
 the optax optimizer state, and a jit-compiled dynamic loss scale runs inside the train step.
+
+One module per concept:
+
+* ``policy``: :class:`Policy`, :func:`get_policy` and the presets;
+* ``loss_scale``: the three loss scales;
+* ``master_weights``: :func:`mixed_precision`, the optax transform that holds the fp32 master,
+  and the functions that find its state;
+* ``gradients``: one pass over the gradients (finite check, norm, the first bad leaf);
+* ``train_step``: :class:`TrainState` and :func:`make_train_step`;
+* ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``;
+* ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
 """
 
+from jaxamp._tree import tree_path_str
 from jaxamp.auditing import AuditReport
 from jaxamp.auditing import audit
 from jaxamp.auditing import audit_grad
+from jaxamp.gradients import GradStats
+from jaxamp.gradients import grad_stats
+from jaxamp.gradients import nonfinite_leaf_path
 from jaxamp.loss_scale import DynamicLossScale
 from jaxamp.loss_scale import LossScale
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.loss_scale import all_finite
-from jaxamp.master import GradStats
-from jaxamp.master import MixedPrecisionState
-from jaxamp.master import find_state
-from jaxamp.master import get_loss_scale
-from jaxamp.master import get_master_params
-from jaxamp.master import grad_stats
-from jaxamp.master import mixed_precision
-from jaxamp.master import nonfinite_leaf_path
-from jaxamp.master import scale_loss
-from jaxamp.master import working_params
+from jaxamp.master_weights import MixedPrecisionState
+from jaxamp.master_weights import find_state
+from jaxamp.master_weights import get_loss_scale
+from jaxamp.master_weights import get_master_params
+from jaxamp.master_weights import mixed_precision
+from jaxamp.master_weights import policy_of
+from jaxamp.master_weights import scale_loss
+from jaxamp.master_weights import working_params
 from jaxamp.overflow import OverflowReport
 from jaxamp.overflow import explain_overflow
 from jaxamp.parallel import batch_sharding
@@ -29,17 +42,17 @@ from jaxamp.parallel import put_sharded
 from jaxamp.parallel import replicate
 from jaxamp.parallel import shard_batch
 from jaxamp.parallel import unreplicate
+from jaxamp.policy import PRESETS
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
 from jaxamp.policy import resolve_auto
-from jaxamp.policy import tree_path_str
 from jaxamp.train_step import TrainState
 from jaxamp.train_step import make_train_step
-from jaxamp.train_step import policy_of
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "PRESETS",
     "AuditReport",
     "DynamicLossScale",
     "GradStats",

@@ -17,18 +17,21 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
-import os
 import re
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _core  # Literal: jaxpr constants (no public alias in 0.10)
+
+from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import scope
+from jaxamp._jaxpr import walk_levels
+from jaxamp._jaxpr import where
+from jaxamp._tree import floating_leaves
 
 __all__ = ["AuditReport", "MatmulSite", "OpSite", "audit", "audit_grad"]
 
@@ -78,67 +81,6 @@ def _nbytes(aval: Any) -> int:
         return 0
 
 
-# Model libraries whose frames are skipped when naming a source line: an nnx.Linear or a Linen
-# Dense is reported at the model's line that called it, not inside the library.
-_LIBRARY_DIRS = tuple(f"{os.sep}{name}{os.sep}" for name in
-                      ("flax", "optax", "equinox", "haiku", "jmp", "penzai"))
-
-
-def where(eqn: Any) -> str:
-    """``file:line (function)`` of the user code that emitted ``eqn``: the innermost frame
-    outside JAX and outside model libraries such as flax (falling back to the innermost)."""
-    try:
-        from jax._src import source_info_util
-        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
-    except Exception:  # noqa: BLE001 - source info is best effort
-        return "<unknown>"
-    if not frames:
-        return "<unknown>"
-    frame = next((f for f in frames
-                  if not any(d in f.file_name for d in _LIBRARY_DIRS)), frames[0])
-    return source_info_util._summarize_frame(frame)  # 'file:line:col (function)', as jax
-
-
-def _name_stack(eqn: Any) -> str:
-    try:
-        return str(eqn.source_info.name_stack)
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-def nested_stack(eqn: Any, outer: str = "") -> str:
-    """The raw name stack of ``eqn`` inside a nested jaxpr whose enclosing stack is ``outer``
-    (equations inside a jit or remat body only record the stack relative to that body)."""
-    inner = _name_stack(eqn)
-    return f"{outer}/{inner}" if outer and inner else (outer or inner)
-
-
-def _scope_parts(raw: str) -> list[str]:
-    return [p for p in re.split(r"[()/]", raw)
-            if p and p not in ("jvp", "transpose", "vmap", "pjit", "jit", "checkpoint",
-                               "remat", "remat2", "rematted_computation")]
-
-
-def is_backward(eqn: Any, outer: str = "") -> bool:
-    """Whether ``eqn`` belongs to a transposed (backward) pass."""
-    return "transpose(" in nested_stack(eqn, outer)
-
-
-def scope(eqn: Any, outer: str = "") -> str:
-    """The user's name scope of ``eqn`` (``outer`` is the enclosing stack, see
-    :func:`nested_stack`) without JAX's transform wrappers; ``" [backward]"`` is appended for
-    equations of a backward pass. Empty when there is no scope."""
-    outer_parts, inner_parts = _scope_parts(outer), _scope_parts(_name_stack(eqn))
-    # Some wrappers (flax's remat) re-enter the enclosing scope inside the body: don't repeat it.
-    if inner_parts[:len(outer_parts)] == outer_parts:
-        parts = inner_parts
-    else:
-        parts = outer_parts + inner_parts
-    if not parts:
-        return ""
-    return "/".join(parts) + (" [backward]" if is_backward(eqn, outer) else "")
-
-
 def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
     """2 × batch × lhs-free × rhs-free × contracting, for ``lax.dot_general``."""
     (lc, rc), (lb, rb) = dimension_numbers
@@ -184,68 +126,6 @@ def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
     return 2.0 * taps * batch * out_features * in_features
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
-    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``."""
-    name = eqn.primitive.name
-    params = eqn.params
-    mult = 1.0
-    if name == "scan":
-        mult = float(params.get("length", 1))
-    elif name in ("xla_pmap", "pmap"):
-        mult = float(params.get("axis_size", 1))
-    elif name == "shard_map":
-        mesh = params.get("mesh")
-        mult = float(getattr(mesh, "size", 1) or 1)
-    if name == "cond":
-        # Count each branch once; a report shows the upper bound over branches.
-        for branch in params.get("branches", ()):
-            yield getattr(branch, "jaxpr", branch), 1.0
-        return
-    if name == "custom_vjp_call" or name == "custom_vjp_call_jaxpr":
-        # The primal function only; the bwd rule runs under the gradient.
-        for key in ("call_jaxpr", "fun_jaxpr"):
-            if key in params:
-                yield getattr(params[key], "jaxpr", params[key]), 1.0
-                return
-    for value in params.values():
-        yield from ((j, mult) for j in _jaxprs_in(value))
-
-
-def _jaxprs_in(value: Any) -> Iterator[Any]:
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _jaxprs_in(item)
-
-
-def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
-    """Yields ``(eqn, multiplicity)`` for every equation, nested ones included.
-
-    A ``scan`` body counts ``length`` times; a ``while`` body once (its trip count is unknown
-    at trace time); a ``cond`` counts every branch.
-    """
-    for eqn, m, _, _ in _walk_levels(jaxpr, mult):
-        yield eqn, m
-
-
-def _walk_levels(jaxpr: Any, mult: float = 1.0,
-                 outer: str = "") -> Iterator[tuple[Any, float, dict, str]]:
-    """Like :func:`walk`, with the map from each variable to the equation producing it and the
-    enclosing name stack."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    producers: dict[Any, Any] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            producers[v] = eqn
-    for eqn in jaxpr.eqns:
-        yield eqn, mult, producers, outer
-        for sub, m in _sub_jaxprs(eqn):
-            yield from _walk_levels(sub, mult * m, nested_stack(eqn, outer))
-
-
 # Ops that move or reshape data without deciding its dtype: looked through to find where an
 # fp32 matmul operand really comes from.
 _TRANSPARENT = ("reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "copy",
@@ -257,7 +137,7 @@ def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
     fp32, or ``None`` when it was promoted from half precision by a convert (a victim, not a
     cause), or ``"input"`` when it enters the traced function (or the nested jaxpr) as fp32."""
     for _ in range(32):
-        if isinstance(var, _core.Literal):
+        if isinstance(var, Literal):
             return "constant"
         eqn = producers.get(var)
         if eqn is None:
@@ -276,11 +156,48 @@ def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
     return None
 
 
+def _residuals(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
+    """``(aval, description)`` of every residual saved to differentiate ``fn``.
+
+    ``jax.ad_checkpoint.print_saved_residuals`` is the public face of this list, but it only
+    prints. The function behind it is private, so it is imported here under a guard (the
+    supported JAX range is pinned by tests/test_auditing.py); without it, the printed lines
+    are parsed instead.
+    """
+    try:
+        from jax._src.ad_checkpoint import saved_residuals  # private: see the docstring
+    except ImportError:
+        saved_residuals = None  # type: ignore[assignment]
+    if saved_residuals is not None:
+        return list(saved_residuals(fn, *args, **kwargs))
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args, **kwargs)
+    return [parsed for line in printed.getvalue().splitlines()
+            if (parsed := _parse_residual(line)) is not None]
+
+
+_SHORT_DTYPES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
+                 "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8",
+                 "u32": "uint32", "bool": "bool"}
+
+
+def _parse_residual(line: str) -> tuple[Any, str] | None:
+    """``('bf16[16,128] from ...')`` as printed by ``print_saved_residuals``."""
+    m = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+    if m is None or m.group(1) not in _SHORT_DTYPES:
+        return None
+    shape = tuple(int(d) for d in m.group(2).split(",") if d)
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(_SHORT_DTYPES[m.group(1)])), m.group(3)
+
+
 def _saved_residuals(fn: Callable, args: tuple, kwargs: dict,
                      argnums: int | tuple[int, ...] | None = None) -> dict[str, int]:
     """Bytes of the residuals saved to differentiate ``fn`` with respect to ``argnums`` (every
     argument when ``None``), by dtype; arguments and closed-over constants excluded."""
-    from jax._src import ad_checkpoint
     by_dtype: dict[str, int] = defaultdict(int)
     if argnums is not None:
         wrt = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -293,7 +210,7 @@ def _saved_residuals(fn: Callable, args: tuple, kwargs: dict,
             return full_fn(*full, **all_kwargs)
         fn, args, kwargs = of_wrt, tuple(all_args[i] for i in wrt), {}
     try:
-        residuals = ad_checkpoint.saved_residuals(fn, *args, **kwargs)
+        residuals = _residuals(fn, args, kwargs)
     except (TypeError, ValueError) as e:  # e.g. only integer inputs: nothing to differentiate
         warnings.warn(f"jaxamp.audit could not list the saved residuals: {e}", stacklevel=3)
         return {}
@@ -430,7 +347,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
     matmuls: list[MatmulSite] = []
     sensitive: dict[tuple, float] = defaultdict(float)
     casts: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
-    for eqn, mult, producers, outer in _walk_levels(jaxpr):
+    for eqn, mult, producers, outer in walk_levels(jaxpr):
         name = eqn.primitive.name
         if name in ("dot_general", "conv_general_dilated"):
             lhs, rhs = (v.aval for v in eqn.invars[:2])
@@ -491,11 +408,10 @@ def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
 
 
 def _scalar_of(out: Any) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(out)
-              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+    leaves = floating_leaves(out)
     if not leaves:
         raise ValueError("audit_grad needs fn to return at least one floating array")
-    return sum(jnp.sum(x.astype(jnp.float32)) for x in leaves)  # type: ignore[return-value]
+    return sum(jnp.sum(jnp.asarray(x).astype(jnp.float32)) for x in leaves)  # type: ignore[return-value]
 
 
 def audit_grad(fn: Callable, *args: Any, argnums: int | tuple[int, ...] = 0,

@@ -24,15 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxamp._tree import floating_leaves
+from jaxamp._tree import map_floating
+
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
 
 _INT32_MAX = 2**31 - 1
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)
-
-
-def _floating_leaves(tree: Any) -> list[jax.Array]:
-    return [x for x in jax.tree.leaves(tree)
-            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -46,7 +44,7 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
     False
     """
-    leaves = _floating_leaves(tree)
+    leaves = floating_leaves(tree)
     if not leaves:
         return jnp.array(True)
     return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
@@ -122,21 +120,14 @@ class _LossScaleMethods:
         works on fp16 values. A loss should be scaled in fp32: ``scale(loss.astype(f32))``.
         """
         def mul(x):
-            if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
-                return x
             wide = jnp.promote_types(x.dtype, jnp.float32)
             return (x.astype(wide) * self.loss_scale).astype(x.dtype)
-        return jax.tree.map(mul, tree)
+        return map_floating(mul, tree)
 
     def unscale(self, tree: Any) -> Any:
         """Casts floating leaves to fp32 and multiplies them by ``1 / scale``."""
         inv = 1.0 / self.loss_scale
-
-        def mul(x):
-            if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
-                return x
-            return x.astype(jnp.float32) * inv
-        return jax.tree.map(mul, tree)
+        return map_floating(lambda x: x.astype(jnp.float32) * inv, tree)
 
     def replace(self, **changes: Any):
         """A copy with some fields changed (hyperparameters are re-validated)."""

@@ -17,19 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import auditing as _audit
-from jaxamp.policy import tree_path_str
-from jaxamp.train_step import _maybe_state
-from jaxamp.train_step import _split_outputs
+from jaxamp._jaxpr import evaluate
+from jaxamp._jaxpr import is_backward
+from jaxamp._jaxpr import scope
+from jaxamp._jaxpr import where
+from jaxamp._loss import split_outputs
+from jaxamp._tree import is_floating_array
+from jaxamp._tree import tree_path_str
+from jaxamp.master_weights import maybe_find_state
 
 __all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
-
-# Call-like primitives whose body is evaluated inline, so that the ops inside are checked.
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr"}
-
 
 @dataclasses.dataclass(frozen=True)
 class OverflowEvent:
@@ -80,7 +77,7 @@ class OverflowReport:
 
 
 def _kind(x: Any) -> str | None:
-    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+    if not is_floating_array(x):
         return None
     x = np.asarray(x)
     has_nan, has_inf = bool(np.isnan(x).any()), bool(np.isinf(x).any())
@@ -90,37 +87,7 @@ def _kind(x: Any) -> str | None:
 
 
 def _layer(eqn: Any, outer: str) -> str:
-    return _audit.scope(eqn, outer).removesuffix(" [backward]") or _audit.where(eqn)
-
-
-def _evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str = "") -> list:
-    from jax._src import core  # eval_jaxpr's own building blocks
-
-    env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        key = _INLINE.get(eqn.primitive.name)
-        body = eqn.params.get(key) if key else None
-        if body is not None:
-            inner = getattr(body, "jaxpr", body)
-            outs = _evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn,
-                             _audit.nested_stack(eqn, outer))
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            on_eqn(eqn, outs, outer)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    return scope(eqn, outer).removesuffix(" [backward]") or where(eqn)
 
 
 def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool = False,
@@ -146,7 +113,7 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
     ('layer2', 'exp')
     """
     policy = state.policy
-    mp = _maybe_state(state.opt_state)
+    mp = maybe_find_state(state.opt_state)
     scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
     batch = policy.cast_to_compute(batch)
     kwargs: dict[str, Any] = {}
@@ -156,7 +123,7 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
         kwargs["rng"] = jax.random.fold_in(state.rng, state.step)
 
     def scaled_loss(params):
-        loss, _, _ = _split_outputs(loss_fn(params, batch, **kwargs), has_aux, has_model_state)
+        loss, _, _ = split_outputs(loss_fn(params, batch, **kwargs), has_aux, has_model_state)
         loss = jnp.asarray(loss).astype(jnp.float32)
         return loss * scale, loss
 
@@ -169,17 +136,17 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
             kind = _kind(out)
             if kind is None:
                 continue
-            phase = "backward" if _audit.is_backward(eqn, outer) else "forward"
+            phase = "backward" if is_backward(eqn, outer) else "forward"
             layer = _layer(eqn, outer)
             if (phase, layer) in seen:
                 return
             seen.add((phase, layer))
-            events.append(OverflowEvent(phase, layer, eqn.primitive.name, _audit.where(eqn),
+            events.append(OverflowEvent(phase, layer, eqn.primitive.name, where(eqn),
                                         jnp.dtype(out.dtype).name, tuple(out.shape), kind))
             return
 
     leaves = jax.tree.leaves(state.params)
-    outs = _evaluate(closed.jaxpr, list(closed.consts), leaves, on_eqn)
+    outs = evaluate(closed.jaxpr, list(closed.consts), leaves, on_eqn)
     out_tree = jax.tree.structure(((0.0, 0.0), state.params))
     (_, loss), grads = jax.tree.unflatten(out_tree, outs)
     bad = [tree_path_str(path) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]

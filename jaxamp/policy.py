@@ -25,7 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-__all__ = ["Policy", "get_policy", "resolve_auto", "tree_path_str"]
+from jaxamp._tree import cast_floating
+from jaxamp._tree import is_floating_array
+from jaxamp._tree import tree_path_str
+
+__all__ = ["PRESETS", "Policy", "get_policy", "resolve_auto"]
 
 # Names accepted for a dtype in a policy string (jmp's names plus a few common ones).
 _DTYPE_NAMES: dict[str, Any] = {
@@ -45,8 +49,16 @@ _SHORT_NAME = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
 _KEYS = {"p": "param", "params": "param", "param": "param",
          "c": "compute", "compute": "compute",
          "o": "output", "output": "output"}
-_PRESETS = ("float32", "bfloat16", "mixed_bfloat16", "mixed_float16", "auto")
-_ACCEPTED = ("a preset (" + ", ".join(_PRESETS) + "), a dtype name ("
+# The presets: (param, compute, output) dtypes. "auto" resolves to one of them per device.
+_PRESET_DTYPES: dict[str, tuple[Any, Any, Any]] = {
+    "float32": (jnp.float32, jnp.float32, jnp.float32),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    "mixed_bfloat16": (jnp.float32, jnp.bfloat16, jnp.float32),
+    "mixed_float16": (jnp.float32, jnp.float16, jnp.float32),
+}
+PRESETS: tuple[str, ...] = (*_PRESET_DTYPES, "auto")
+"""Every preset name that :func:`get_policy` accepts (the CLI's ``--precision`` choices)."""
+_ACCEPTED = ("a preset (" + ", ".join(PRESETS) + "), a dtype name ("
              + ", ".join(_DTYPE_NAMES) + "), jmp's grammar 'p=f32,c=bf16,o=f32', "
              "a jmp.Policy or a jaxamp.Policy")
 
@@ -80,27 +92,6 @@ def _as_float_dtype(value: Any, *, what: str, context: str = "") -> np.dtype:
             "silently compute in float32. Enable it with jax.config.update('jax_enable_x64', "
             "True) before building the policy, or use float32.")
     return dtype
-
-
-def tree_path_str(path: Sequence[Any]) -> str:
-    """Formats a ``jax.tree_util`` key path as ``'a/b/0/c'``, the form override regexes see.
-
-    >>> import jax
-    >>> paths = [tree_path_str(p) for p, _ in
-    ...          jax.tree_util.tree_flatten_with_path({"dense": {"kernel": 1, "bias": 2}})[0]]
-    >>> paths
-    ['dense/bias', 'dense/kernel']
-    """
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
-def _is_floating(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _cast_floating(tree: Any, dtype: DTypeLike) -> Any:
-    return jax.tree.map(lambda x: x.astype(dtype) if _is_floating(x) else x, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +155,19 @@ class Policy:
         """True when the working dtype differs from the master dtype."""
         return self.compute_dtype != self.param_dtype
 
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """True when the compute dtype is float16, whose narrow range needs a dynamic loss
+        scale: the one place that decides :func:`jaxamp.mixed_precision`'s default.
+
+        >>> [get_policy(p).needs_loss_scaling for p in ("mixed_float16", "mixed_bfloat16")]
+        [True, False]
+        """
+        return self.compute_dtype == jnp.float16
+
     def cast_to_param(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``param_dtype``; other leaves are untouched."""
-        return _cast_floating(tree, self.param_dtype)
+        return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``compute_dtype`` (no overrides).
@@ -174,11 +175,28 @@ class Policy:
         Use it for inputs and activations. For params use :meth:`cast_params_to_compute`,
         which applies the per-parameter overrides.
         """
-        return _cast_floating(tree, self.compute_dtype)
+        return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
         """Casts the floating leaves of ``tree`` to ``output_dtype``."""
-        return _cast_floating(tree, self.output_dtype)
+        return cast_floating(tree, self.output_dtype)
+
+    def working_dtypes(self, params: Any) -> list[Any]:
+        """Each leaf's working dtype, in tree order: ``compute_dtype`` or an override's dtype
+        for floating leaves, ``None`` for the others (a list, not a tree).
+
+        >>> import jax.numpy as jnp
+        >>> get_policy("mixed_float16").working_dtypes({"n": jnp.arange(2), "w": jnp.ones(2)})
+        [None, dtype('float16')]
+        """
+        return [self._working_dtype(tree_path_str(path)) if is_floating_array(x) else None
+                for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def _working_dtype(self, where: str) -> Any:
+        for pattern, dtype in self.overrides:
+            if re.search(pattern, where):
+                return dtype
+        return self.compute_dtype
 
     def param_compute_dtypes(self, params: Any) -> Any:
         """A tree like ``params`` holding each floating leaf's working dtype (``None`` elsewhere).
@@ -188,24 +206,16 @@ class Policy:
         >>> p.param_compute_dtypes({"norm": {"scale": jnp.ones(2)}, "w": jnp.ones(2)})
         {'norm': {'scale': dtype('float32')}, 'w': dtype(bfloat16)}
         """
-        def pick(path, x):
-            if not _is_floating(x):
-                return None
-            if self.overrides:
-                where = tree_path_str(path)
-                for pattern, dtype in self.overrides:
-                    if re.search(pattern, where):
-                        return dtype
-            return self.compute_dtype
-        return jax.tree_util.tree_map_with_path(pick, params)
+        return jax.tree.unflatten(jax.tree.structure(params), self.working_dtypes(params))
 
     def cast_params_to_compute(self, params: Any) -> Any:
         """Casts params to their working dtype: ``compute_dtype`` or an override's dtype."""
         if not self.overrides:
             return self.cast_to_compute(params)
-        dtypes = self.param_compute_dtypes(params)
-        return jax.tree.map(lambda x, d: x if d is None else x.astype(d), params, dtypes,
-                            is_leaf=lambda x: x is None)
+        leaves, treedef = jax.tree.flatten(params)
+        return jax.tree.unflatten(treedef, [
+            x if d is None else jnp.asarray(x).astype(d)
+            for x, d in zip(leaves, self.working_dtypes(params), strict=True)])
 
     def with_overrides(self, overrides: Mapping[str, DTypeLike] | Sequence) -> Policy:
         """Returns a copy with these per-parameter overrides added after the existing ones."""
@@ -265,18 +275,17 @@ def get_policy(spec: Any = "mixed_bfloat16", *,
                device: Any = None) -> Policy:
     """Builds a :class:`Policy` from a preset, a jmp string, a ``jmp.Policy`` or a ``Policy``.
 
-    Presets:
+    Presets (:data:`jaxamp.PRESETS`), with ``auto`` resolved here on the CPU:
 
-    ==================  =====  =======  ======
-    name                param  compute  output
-    ==================  =====  =======  ======
-    ``float32``         f32    f32      f32
-    ``bfloat16``        bf16   bf16     bf16
-    ``mixed_bfloat16``  f32    bf16     f32
-    ``mixed_float16``   f32    f16      f32
-    ``auto``            see :func:`resolve_auto`
-    ==================  =====  =======  ======
+    >>> for name in PRESETS:
+    ...     print(f"{name:15s}", get_policy(name))
+    float32         p=f32,c=f32,o=f32
+    bfloat16        p=bf16,c=bf16,o=bf16
+    mixed_bfloat16  p=f32,c=bf16,o=f32
+    mixed_float16   p=f32,c=f16,o=f32
+    auto            p=f32,c=f32,o=f32
 
+    ``auto`` picks a preset per device (see :func:`resolve_auto`).
     A bare dtype name (``"bf16"``) sets all three dtypes, as in jmp; jmp's grammar
     ``"p=f32,c=bf16,o=f32"`` takes the keys ``p/params``, ``c/compute`` and ``o/output``,
     and an omitted compute dtype follows params, an omitted output follows compute.
@@ -317,20 +326,20 @@ def _parse(spec: Any, device: Any) -> Policy:
     if lowered == "auto":
         resolved = _parse(resolve_auto(device), device)
         return dataclasses.replace(resolved, name=f"auto:{resolved.name}")
-    if lowered == "float32":
-        return Policy(jnp.float32, jnp.float32, jnp.float32, name="float32")
-    if lowered == "bfloat16":
-        return Policy(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, name="bfloat16")
-    if lowered == "mixed_bfloat16":
-        return Policy(jnp.float32, jnp.bfloat16, jnp.float32, name="mixed_bfloat16")
-    if lowered == "mixed_float16":
-        return Policy(jnp.float32, jnp.float16, jnp.float32, name="mixed_float16")
+    if lowered in _PRESET_DTYPES:
+        return Policy(*_PRESET_DTYPES[lowered], name=lowered)
     if "=" in name:
         return _parse_jmp_grammar(name)
     if lowered in _DTYPE_NAMES:
         dtype = jnp.dtype(_DTYPE_NAMES[lowered])
         return Policy(dtype, dtype, dtype, name=name)
     raise ValueError(f"unknown policy {spec!r}; accepted: {_ACCEPTED}")
+
+
+# A policy is static data inside a pytree: the mixed-precision state carries the policy it was
+# built with as a node without leaves, so any optax wrapper keeps it, and it is part of the
+# treedef (a jit cache key), never a traced value.
+jax.tree_util.register_static(Policy)
 
 
 def _is_jmp_policy(obj: Any) -> bool:

@@ -13,6 +13,10 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
 6. set the working params to the cast of the new master; on a skipped step, keep the old
    mutable model state (BatchNorm statistics) too;
 7. return metrics computed in-graph.
+
+The policy comes from the optimizer state (the :class:`~jaxamp.MixedPrecisionState` carries
+it), never from an attribute of a function, so any harmless optax wrapper keeps it and a
+harmful one is a clear error.
 """
 
 from __future__ import annotations
@@ -29,27 +33,40 @@ from flax import struct
 from jax import lax
 from jax.typing import DTypeLike
 
-from jaxamp import auditing as _audit
-from jaxamp.master import MixedPrecisionState
-from jaxamp.master import _select
-from jaxamp.master import find_state
-from jaxamp.master import grad_stats
+from jaxamp._jaxpr import walk
+from jaxamp._jaxpr import where
+from jaxamp._loss import check_loss
+from jaxamp._loss import split_outputs
+from jaxamp._tree import is_inexact_array
+from jaxamp._tree import select
+from jaxamp.gradients import grad_stats
+from jaxamp.master_weights import MixedPrecisionState
+from jaxamp.master_weights import find_state
+from jaxamp.master_weights import maybe_find_state
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
 
-__all__ = ["TrainState", "make_train_step", "policy_of"]
+__all__ = ["TrainState", "make_train_step"]
 
 
-def policy_of(tx: optax.GradientTransformation) -> Policy | None:
-    """The policy a :func:`jaxamp.mixed_precision` transform was built with, else ``None``.
+def _same_policy(a: Policy, b: Policy) -> bool:
+    return (a.param_dtype, a.compute_dtype, a.overrides) == (b.param_dtype, b.compute_dtype,
+                                                            b.overrides)
 
-    >>> import optax, jaxamp
-    >>> str(policy_of(jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")))
-    'p=f32,c=f16,o=f32'
-    >>> policy_of(optax.sgd(0.1)) is None
-    True
-    """
-    return getattr(tx.update, "jaxamp_policy", None)
+
+def _resolve_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
+    """The state's policy: the one the optimizer carries, checked against an explicit one."""
+    if mp is None:
+        policy = get_policy("float32" if policy is None else policy)
+        if policy.is_mixed:
+            raise ValueError(f"policy {policy} keeps a master copy in {policy.param_dtype} but "
+                             "tx is a plain optax transform; wrap it: "
+                             "jaxamp.mixed_precision(tx, policy)")
+        return policy
+    if policy is not None and not _same_policy(get_policy(policy), mp.policy):
+        raise ValueError(f"policy {get_policy(policy)} differs from the policy {mp.policy} "
+                         "that tx was built with; pass the same policy to both, or omit it here")
+    return mp.policy
 
 
 @struct.dataclass(kw_only=True)
@@ -60,11 +77,11 @@ class TrainState:
       step: int32 count of steps taken (applied and skipped).
       params: the working params, in their compute dtypes.
       opt_state: the optimizer state; with :func:`jaxamp.mixed_precision` it holds the fp32
-        master, the inner state, the loss scale and the counters.
+        master, the inner state, the loss scale, the counters and the policy.
       model_state: mutable model state such as BatchNorm statistics, or ``None``.
       rng: a base PRNG key (folded with ``step`` each step), or ``None``.
       tx: the optimizer (static).
-      policy: the precision policy (static).
+      policy: the precision policy (static), the one the optimizer state carries.
 
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
@@ -86,29 +103,20 @@ class TrainState:
                model_state: Any = None, rng: Any = None) -> TrainState:
         """Builds the state from params in any precision (the master copy is made by ``tx``).
 
-        ``policy`` defaults to the one ``tx`` was built with (``float32`` for a plain optax
-        transform).
+        The policy is the one the :class:`~jaxamp.MixedPrecisionState` in ``tx``'s state
+        carries, wherever a harmless wrapper (``optax.chain`` of it alone, a ``named_chain``)
+        put it; ``float32`` for a plain optax transform. ``policy``, when given, must agree. A
+        wrapping that cannot be correct (a clip outside it, ``optax.MultiSteps`` around it)
+        raises a ``ValueError`` that says what to write instead.
 
         >>> import jax.numpy as jnp, optax, jaxamp
-        >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+        >>> tx = optax.chain(jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
         >>> s = TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
         >>> s.params["w"].dtype, jaxamp.get_master_params(s.opt_state)["w"].dtype
         (dtype(bfloat16), dtype('float32'))
         """
-        tx_policy = policy_of(tx)
-        if policy is None:
-            policy = tx_policy if tx_policy is not None else get_policy("float32")
-        policy = get_policy(policy)
-        if tx_policy is not None and (tx_policy.param_dtype, tx_policy.compute_dtype,
-                                      tx_policy.overrides) != (policy.param_dtype,
-                                                               policy.compute_dtype,
-                                                               policy.overrides):
-            raise ValueError(f"policy {policy} differs from the policy {tx_policy} that tx was "
-                             "built with; pass the same policy to both, or omit it here")
-        if tx_policy is None and policy.is_mixed:
-            raise ValueError(f"policy {policy} keeps a master copy in {policy.param_dtype} but tx "
-                             "is a plain optax transform; wrap it: "
-                             "jaxamp.mixed_precision(tx, policy)")
+        # Abstractly first: where is the state, and which policy does it carry?
+        policy = _resolve_policy(policy, maybe_find_state(jax.eval_shape(tx.init, params)))
         opt_state = tx.init(policy.cast_to_param(params))
         return cls(step=jnp.zeros((), jnp.int32), params=policy.cast_params_to_compute(params),
                    opt_state=opt_state, model_state=model_state, rng=rng, tx=tx, policy=policy)
@@ -116,69 +124,45 @@ class TrainState:
     @property
     def master_params(self) -> Any:
         """The fp32 master params (the params themselves for a plain optax transform)."""
-        mp = _maybe_state(self.opt_state)
+        mp = maybe_find_state(self.opt_state)
         return self.params if mp is None else mp.master_params
 
     @property
     def loss_scale(self) -> jax.Array:
         """The current fp32 loss scale (1 for a plain optax transform)."""
-        mp = _maybe_state(self.opt_state)
+        mp = maybe_find_state(self.opt_state)
         return jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
 
 
-def _maybe_state(opt_state: Any) -> MixedPrecisionState | None:
-    try:
-        return find_state(opt_state)
-    except ValueError:
-        return None
+@dataclasses.dataclass(frozen=True)
+class _StepConfig:
+    """What ``make_train_step`` was built with."""
+
+    loss_fn: Callable[..., Any]
+    has_aux: bool
+    has_model_state: bool
+    has_rng: bool
+    accum_steps: int
+    axis_name: str | None
+    reduce_dtype: Any
+    warn_fp32_matmuls: bool
+    sync_model_state: bool
 
 
-def _split_outputs(out: Any, has_aux: bool, has_model_state: bool):
-    """Unpacks ``loss``, ``(loss, aux)``, ``(loss, model_state)`` or ``(loss, state, aux)``."""
-    expected = 1 + has_aux + has_model_state
-    if expected == 1:
-        return out, None, None
-    if not isinstance(out, tuple) or len(out) != expected:
-        shape = {(True, False): "(loss, aux)", (False, True): "(loss, new_model_state)",
-                 (True, True): "(loss, new_model_state, aux)"}[(has_aux, has_model_state)]
-        if isinstance(out, tuple):
-            got = f"a tuple of {len(out)}"
-        elif hasattr(out, "shape") and hasattr(out, "dtype"):
-            got = f"a single {jnp.dtype(out.dtype).name}{list(out.shape)} array"
-        else:
-            got = type(out).__name__
-        raise ValueError(f"loss_fn must return {shape} with has_aux={has_aux} and "
-                         f"has_model_state={has_model_state}; got {got}. Return that tuple, "
-                         "or set the flags to what loss_fn returns")
-    loss = out[0]
-    model_state = out[1] if has_model_state else None
-    aux = out[-1] if has_aux else None
-    return loss, model_state, aux
-
-
-def _check_loss(loss: Any) -> jax.Array:
-    loss = jnp.asarray(loss)
-    if loss.ndim != 0:
-        raise ValueError(f"loss_fn must return a scalar loss, got shape {loss.shape}; reduce "
-                         "it with jnp.mean (per-example losses are averaged by you)")
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}: an "
-                        "integer or bool loss has no gradient; compute it from the model's "
-                        "floating outputs, in float32")
-    return loss.astype(jnp.float32)
-
-
-def _split_microbatches(batch: Any, k: int) -> Any:
-    def split(x):
-        if not hasattr(x, "shape") or x.ndim == 0:
-            raise ValueError(f"accum_steps={k} needs every batch leaf to have a leading batch "
-                             f"axis, got {type(x).__name__} {getattr(x, 'shape', '')}")
-        if x.shape[0] % k:
-            raise ValueError(f"accum_steps={k} does not divide the batch size {x.shape[0]} "
-                             f"(leaf shape {x.shape}); use a batch size that is a multiple of "
-                             f"{k} or another accum_steps")
-        return x.reshape((k, x.shape[0] // k) + x.shape[1:])
-    return jax.tree.map(split, batch)
+def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
+                          axis_name: Any) -> None:
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
+                        f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}; 1 (the "
+                         "default) takes one micro-batch per step")
+    if not jnp.issubdtype(reduce_dtype, jnp.floating):
+        raise TypeError(f"reduce_dtype must be floating, got {reduce_dtype}; use float32 "
+                        "(default) or bfloat16")
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be a string or None, got {axis_name!r}; pass the "
+                        "axis_name given to jax.pmap or shard_map, or None under jax.jit")
 
 
 def make_train_step(
@@ -217,7 +201,7 @@ def make_train_step(
         leaves of the new model state (BatchNorm running statistics) over the axis, so that
         replicas stay identical. Integer leaves are kept per device.
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
-        in fp32 (a promotion by an fp32 param or activation).
+        in fp32 (a promotion by an fp32 param or activation). The check never raises.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
@@ -242,124 +226,163 @@ def make_train_step(
     1.0 32768.0 False
     1.0 16384.0 True
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
-                        f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
-    if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}; 1 (the "
-                         "default) takes one micro-batch per step")
     reduce_dtype = jnp.dtype(reduce_dtype)
-    if not jnp.issubdtype(reduce_dtype, jnp.floating):
-        raise TypeError(f"reduce_dtype must be floating, got {reduce_dtype}; use float32 "
-                        "(default) or bfloat16")
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"axis_name must be a string or None, got {axis_name!r}; pass the "
-                        "axis_name given to jax.pmap or shard_map, or None under jax.jit")
+    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name)
+    config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
+                         reduce_dtype, warn_fp32_matmuls, sync_model_state)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"step expects a jaxamp.TrainState, got {type(state).__name__}; "
-                            "build it with jaxamp.TrainState.create(params=..., tx=...)")
-        if axis_name is not None:
-            _check_axis_bound(axis_name)
-        policy = state.policy
-        mp = _maybe_state(state.opt_state)
-        scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
-        batch = policy.cast_to_compute(batch)
-        rng = None
-        if has_rng:
-            if state.rng is None:
-                raise ValueError("has_rng=True but state.rng is None; pass rng=jax.random.key(0) "
-                                 "to TrainState.create")
-            rng = jax.random.fold_in(state.rng, state.step)
-            if axis_name is not None:
-                rng = jax.random.fold_in(rng, lax.axis_index(axis_name))
-
-        def grads_of(model_state, micro_batch, micro_rng):
-            def scaled(params):
-                kwargs = {}
-                if has_model_state:
-                    kwargs["model_state"] = model_state
-                if has_rng:
-                    kwargs["rng"] = micro_rng
-                loss, new_model_state, aux = _split_outputs(
-                    loss_fn(params, micro_batch, **kwargs), has_aux, has_model_state)
-                loss = _check_loss(loss)
-                return loss * scale, (loss, new_model_state, aux)
-            if warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
-                _warn_fp32_matmuls(scaled, state.params, policy)
-            (_, (loss, new_ms, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(
-                state.params)
-            return loss, grads, new_ms, aux
-
-        if accum_steps == 1:
-            loss, grads, new_model_state, aux = grads_of(state.model_state, batch, rng)
-        else:
-            micro = _split_microbatches(batch, accum_steps)
-
-            def body(carry, xs):
-                acc, model_state = carry
-                micro_batch, index = xs
-                micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-                loss, grads, new_ms, aux = grads_of(model_state, micro_batch, micro_rng)
-                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-                return (acc, new_ms if has_model_state else model_state), (loss, aux)
-
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            (acc, new_model_state), (losses, aux) = lax.scan(
-                body, (zeros, state.model_state), (micro, jnp.arange(accum_steps)))
-            inv_k = jnp.float32(1.0 / accum_steps)
-            grads = jax.tree.map(lambda a: a * inv_k, acc)
-            loss = jnp.mean(losses)
-
-        if axis_name is not None:
-            grads = jax.tree.map(lambda g: lax.pmean(g.astype(reduce_dtype), axis_name), grads)
-            loss = lax.pmean(loss, axis_name)
-            if has_model_state and sync_model_state:
-                new_model_state = jax.tree.map(
-                    lambda x: lax.pmean(x, axis_name)
-                    if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x,
-                    new_model_state)
-
-        if mp is not None:
-            _, opt_state = state.tx.update(grads, state.opt_state, state.params)
-            new_mp = find_state(opt_state)
-            finite, norm, nonfinite, first_bad = (
-                new_mp.grads_finite, new_mp.grad_norm, new_mp.nonfinite_leaves,
-                new_mp.first_nonfinite_leaf)
-            skipped = new_mp.skipped_steps
-            skips_at_min, stalled = new_mp.skips_at_min_scale, new_mp.stalled
-            params = policy.cast_params_to_compute(new_mp.master_params)
-        else:
-            finite, norm, nonfinite, first_bad = grad_stats(jax.tree.map(
-                lambda g: g.astype(jnp.float32), grads))
-            updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-            params = _select(finite, optax.apply_updates(state.params, updates), state.params)
-            opt_state = _select(finite, opt_state, state.opt_state)
-            skipped = jnp.zeros((), jnp.int32)
-            skips_at_min, stalled = jnp.zeros((), jnp.int32), jnp.array(False)
-        model_state = state.model_state
-        if has_model_state:
-            model_state = _select(finite, new_model_state, state.model_state)
-
-        metrics = {
-            "loss": loss,
-            "loss_scale": scale,
-            "grads_finite": finite,
-            "skipped_steps": skipped,
-            "grad_norm": norm,
-            "nonfinite_leaves": nonfinite,
-            "first_nonfinite_leaf": first_bad,
-            "skips_at_min_scale": skips_at_min,
-            "stalled": stalled,
-        }
-        if has_aux:
-            metrics["aux"] = aux
-        new_state = dataclasses.replace(state, step=state.step + 1, params=params,
-                                        opt_state=opt_state, model_state=model_state)
-        return new_state, metrics
-
+        return _step(config, state, batch)
     return step
+
+
+# --------------------------------------------------------------------------------------------
+# The step, in pieces
+# --------------------------------------------------------------------------------------------
+
+def _step(config: _StepConfig, state: TrainState, batch: Any):
+    mp = _checked_optimizer_state(config, state)
+    scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+    batch = state.policy.cast_to_compute(batch)
+    rng = _step_rng(config, state)
+    if config.accum_steps == 1:
+        loss, grads, new_model_state, aux = _micro_batch(config, state, scale, state.model_state,
+                                                         batch, rng)
+    else:
+        loss, grads, new_model_state, aux = _accumulate(config, state, scale, batch, rng)
+    if config.axis_name is not None:
+        loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
+                                                              new_model_state)
+    new_state, metrics = _apply_update(state, grads, mp is not None)
+    if config.has_model_state:
+        model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
+        new_state = dataclasses.replace(new_state, model_state=model_state)
+    metrics = {"loss": loss, "loss_scale": scale, **metrics}
+    if config.has_aux:
+        metrics["aux"] = aux
+    return new_state, metrics
+
+
+def _checked_optimizer_state(config: _StepConfig, state: TrainState):
+    if not isinstance(state, TrainState):
+        raise TypeError(f"step expects a jaxamp.TrainState, got {type(state).__name__}; "
+                        "build it with jaxamp.TrainState.create(params=..., tx=...)")
+    if config.axis_name is not None:
+        _check_axis_bound(config.axis_name)
+    mp = maybe_find_state(state.opt_state)
+    if mp is not None and not _same_policy(mp.policy, state.policy):
+        raise ValueError(f"state.policy {state.policy} differs from the policy {mp.policy} "
+                         "that the optimizer state carries; build the state with "
+                         "jaxamp.TrainState.create(params=..., tx=tx)")
+    if mp is None and state.policy.is_mixed:
+        raise ValueError(f"policy {state.policy} keeps a master copy but the optimizer is a "
+                         "plain optax transform; wrap it: jaxamp.mixed_precision(tx, policy)")
+    return mp
+
+
+def _step_rng(config: _StepConfig, state: TrainState):
+    if not config.has_rng:
+        return None
+    if state.rng is None:
+        raise ValueError("has_rng=True but state.rng is None; pass rng=jax.random.key(0) "
+                         "to TrainState.create")
+    rng = jax.random.fold_in(state.rng, state.step)
+    if config.axis_name is not None:
+        rng = jax.random.fold_in(rng, lax.axis_index(config.axis_name))
+    return rng
+
+
+def _micro_batch(config: _StepConfig, state: TrainState, scale, model_state, batch, rng):
+    """``(loss, grads of loss * scale, new model state, aux)`` of one micro-batch."""
+    def scaled(params):
+        kwargs = {}
+        if config.has_model_state:
+            kwargs["model_state"] = model_state
+        if config.has_rng:
+            kwargs["rng"] = rng
+        loss, new_model_state, aux = split_outputs(config.loss_fn(params, batch, **kwargs),
+                                                   config.has_aux, config.has_model_state)
+        loss = check_loss(loss)
+        return loss * scale, (loss, new_model_state, aux)
+
+    if config.warn_fp32_matmuls and state.policy.compute_dtype != jnp.float32:
+        _warn_fp32_matmuls(scaled, state.params, state.policy)
+    (_, (loss, new_model_state, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(
+        state.params)
+    return loss, grads, new_model_state, aux
+
+
+def _split_microbatches(batch: Any, k: int) -> Any:
+    def split(x):
+        if not hasattr(x, "shape") or x.ndim == 0:
+            raise ValueError(f"accum_steps={k} needs every batch leaf to have a leading batch "
+                             f"axis, got {type(x).__name__} {getattr(x, 'shape', '')}")
+        if x.shape[0] % k:
+            raise ValueError(f"accum_steps={k} does not divide the batch size {x.shape[0]} "
+                             f"(leaf shape {x.shape}); use a batch size that is a multiple of "
+                             f"{k} or another accum_steps")
+        return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+    return jax.tree.map(split, batch)
+
+
+def _accumulate(config: _StepConfig, state: TrainState, scale, batch, rng):
+    """The mean of the micro-batches' gradients, summed in fp32 under ``lax.scan``, all with
+    the same scale; the model state threads through the micro-batches."""
+    k = config.accum_steps
+
+    def body(carry, xs):
+        acc, model_state = carry
+        micro_batch, index = xs
+        micro_rng = None if rng is None else jax.random.fold_in(rng, index)
+        loss, grads, new_ms, aux = _micro_batch(config, state, scale, model_state, micro_batch,
+                                                micro_rng)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return (acc, new_ms if config.has_model_state else model_state), (loss, aux)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    (acc, new_model_state), (losses, aux) = lax.scan(
+        body, (zeros, state.model_state), (_split_microbatches(batch, k), jnp.arange(k)))
+    inv_k = jnp.float32(1.0 / k)
+    return jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux
+
+
+def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):
+    """``pmean`` over ``axis_name``: the gradients in ``reduce_dtype``, the loss, and the
+    floating model state when ``sync_model_state``."""
+    axis = config.axis_name
+    grads = jax.tree.map(lambda g: lax.pmean(g.astype(config.reduce_dtype), axis), grads)
+    loss = lax.pmean(loss, axis)
+    if config.has_model_state and config.sync_model_state:
+        new_model_state = jax.tree.map(
+            lambda x: lax.pmean(x, axis) if is_inexact_array(jnp.asarray(x)) else x,
+            new_model_state)
+    return loss, grads, new_model_state
+
+
+def _apply_update(state: TrainState, grads: Any, mixed: bool):
+    """The optimizer's update and the metrics it reports. With
+    :func:`jaxamp.mixed_precision` the transform decides the skip; a plain optax transform is
+    skipped here on non-finite gradients, with the same metrics."""
+    if mixed:
+        _, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        mp = find_state(opt_state)
+        params = state.policy.cast_params_to_compute(mp.master_params)
+        metrics = {"grads_finite": mp.grads_finite, "skipped_steps": mp.skipped_steps,
+                   "grad_norm": mp.grad_norm, "nonfinite_leaves": mp.nonfinite_leaves,
+                   "first_nonfinite_leaf": mp.first_nonfinite_leaf,
+                   "skips_at_min_scale": mp.skips_at_min_scale, "stalled": mp.stalled}
+    else:
+        stats = grad_stats(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = select(stats.finite, optax.apply_updates(state.params, updates), state.params)
+        opt_state = select(stats.finite, opt_state, state.opt_state)
+        metrics = {"grads_finite": stats.finite, "skipped_steps": jnp.zeros((), jnp.int32),
+                   "grad_norm": stats.norm, "nonfinite_leaves": stats.nonfinite_leaves,
+                   "first_nonfinite_leaf": stats.first_nonfinite_leaf,
+                   "skips_at_min_scale": jnp.zeros((), jnp.int32), "stalled": jnp.array(False)}
+    new_state = dataclasses.replace(state, step=state.step + 1, params=params,
+                                    opt_state=opt_state)
+    return new_state, metrics
 
 
 def _check_axis_bound(axis_name: str) -> None:
@@ -372,18 +395,26 @@ def _check_axis_bound(axis_name: str) -> None:
             "axis_name for jax.jit (with a sharded batch the reduction is implicit)") from e
 
 
-def _warn_fp32_matmuls(scaled_loss: Callable, params: Any, policy: Policy) -> None:
+def _fp32_matmul_sites(scaled_loss: Callable, params: Any) -> tuple[int, list[str]]:
     jaxpr = jax.make_jaxpr(lambda p: scaled_loss(p)[0])(params)
-    matmuls = [(eqn, where) for eqn, _ in _audit.walk(jaxpr)
-               if eqn.primitive.name in ("dot_general", "conv_general_dilated")
-               for where in [_audit.where(eqn)]]
-    total = len(matmuls)
-    sites = [f"{eqn.primitive.name} at {where}" for eqn, where in matmuls
+    matmuls = [eqn for eqn, _ in walk(jaxpr)
+               if eqn.primitive.name in ("dot_general", "conv_general_dilated")]
+    sites = [f"{eqn.primitive.name} at {where(eqn)}" for eqn in matmuls
              if any(getattr(v.aval, "dtype", None) == jnp.float32 for v in eqn.invars)]
+    return len(matmuls), sites
+
+
+def _warn_fp32_matmuls(scaled_loss: Callable, params: Any, policy: Policy) -> None:
+    """A trace-time warning, never an error: a failure of the diagnostic itself is ignored
+    (the step's own trace reports any real error in ``loss_fn``)."""
+    try:
+        total, sites = _fp32_matmul_sites(scaled_loss, params)
+    except Exception:  # noqa: BLE001 - a diagnostic must never break a training step
+        return
     if sites:
         shown = "; ".join(sites[:5]) + (" ..." if len(sites) > 5 else "")
         warnings.warn(
             f"{len(sites)} of {total} matmuls/convs run in float32 under policy {policy}: "
             f"{shown}. An fp32 param or activation (often a LayerNorm with dtype=float32) "
             "promotes the next matmul back to fp32. Build layers with the compute dtype, or "
-            "pass warn_fp32_matmuls=False if this is intended.", stacklevel=3)
+            "pass warn_fp32_matmuls=False if this is intended.", stacklevel=4)

@@ -473,11 +473,15 @@ def test_scale_loss_rejects_non_scalar_and_integer_losses():
 
 
 def test_scale_loss_finds_the_state_inside_a_chain():
-    tx = optax.chain(optax.identity(),
-                     jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16",
-                                            loss_scale=jaxamp.StaticLossScale(8.0)))
-    state = tx.init({"w": jnp.ones(2)})
+    mp = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16",
+                                loss_scale=jaxamp.StaticLossScale(8.0))
+    state = optax.chain(mp).init({"w": jnp.ones(2)})
     assert float(jaxamp.scale_loss(jnp.float32(0.5), state)) == 4.0
+    # Beside another member, even optax.identity() (its state, EmptyState, is a clip's too),
+    # the chain is refused: the state cannot tell a harmless member from a harmful one.
+    state = optax.chain(optax.identity(), mp).init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="optax.chain puts other transforms beside"):
+        jaxamp.scale_loss(jnp.float32(0.5), state)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""Walking and evaluating jaxprs: shared by the audit and the overflow diagnosis (private).
+
+Only public JAX APIs: ``jax.extend.core`` for jaxpr types, a jaxpr equation's own
+``source_info`` for source lines and name stacks. Every diagnostic here is best effort and
+never raises: a missing attribute in a future JAX version gives ``"<unknown>"``, not a crash of
+the train step that asked for a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jaxlib
+from jax.extend.core import Literal
+
+__all__ = ["Literal", "evaluate", "is_backward", "nested_stack", "scope", "walk",
+           "walk_levels", "where"]
+
+# Frames in these folders are not the user's: JAX itself and Python's standard library.
+_JAX_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+# Model libraries whose frames are skipped when naming a source line: an nnx.Linear or a Linen
+# Dense is reported at the model's line that called it, not inside the library.
+_LIBRARY_DIRS = tuple(f"{os.sep}{name}{os.sep}" for name in
+                      ("flax", "optax", "equinox", "haiku", "jmp", "penzai"))
+
+
+def _frames(traceback: Any) -> list[tuple[str, int, int, str]]:
+    """``(file, line, column, function)`` of each frame of a jaxlib traceback, innermost first."""
+    codes, lastis = traceback.raw_frames()
+    out = []
+    for code, lasti in zip(codes, lastis, strict=True):
+        line, column = code.co_firstlineno, 0
+        positions = list(code.co_positions())
+        if 0 <= lasti // 2 < len(positions):
+            start_line, _, start_col, _ = positions[lasti // 2]
+            line = start_line if start_line is not None else line
+            column = start_col or 0
+        out.append((code.co_filename, line, column, code.co_qualname))
+    return out
+
+
+def _is_user_file(file_name: str) -> bool:
+    if file_name.startswith(_JAX_DIRS):
+        return False
+    return not file_name.startswith(_STDLIB_DIR) or "-packages" + os.sep in file_name
+
+
+def where(eqn: Any) -> str:
+    """``file:line:col (function)`` of the user code that emitted ``eqn``: the innermost frame
+    outside JAX and outside model libraries such as flax (falling back to the innermost).
+    ``"<unknown>"`` when the equation carries no usable source information."""
+    try:
+        frames = [f for f in _frames(eqn.source_info.traceback) if _is_user_file(f[0])]
+        if not frames:
+            return "<unknown>"
+        file_name, line, column, function = next(
+            (f for f in frames if not any(d in f[0] for d in _LIBRARY_DIRS)), frames[0])
+        if column:
+            return f"{file_name}:{line}:{column} ({function})"
+        return f"{file_name}:{line} ({function})"
+    except Exception:  # noqa: BLE001 - source info is best effort, never an error
+        return "<unknown>"
+
+
+def _name_stack(eqn: Any) -> str:
+    try:
+        return str(eqn.source_info.name_stack)
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def nested_stack(eqn: Any, outer: str = "") -> str:
+    """The raw name stack of ``eqn`` inside a nested jaxpr whose enclosing stack is ``outer``
+    (equations inside a jit or remat body only record the stack relative to that body)."""
+    inner = _name_stack(eqn)
+    return f"{outer}/{inner}" if outer and inner else (outer or inner)
+
+
+def _scope_parts(raw: str) -> list[str]:
+    return [p for p in re.split(r"[()/]", raw)
+            if p and p not in ("jvp", "transpose", "vmap", "pjit", "jit", "checkpoint",
+                               "remat", "remat2", "rematted_computation")]
+
+
+def is_backward(eqn: Any, outer: str = "") -> bool:
+    """Whether ``eqn`` belongs to a transposed (backward) pass."""
+    return "transpose(" in nested_stack(eqn, outer)
+
+
+def scope(eqn: Any, outer: str = "") -> str:
+    """The user's name scope of ``eqn`` (``outer`` is the enclosing stack, see
+    :func:`nested_stack`) without JAX's transform wrappers; ``" [backward]"`` is appended for
+    equations of a backward pass. Empty when there is no scope."""
+    outer_parts, inner_parts = _scope_parts(outer), _scope_parts(_name_stack(eqn))
+    # Some wrappers (flax's remat) re-enter the enclosing scope inside the body: don't repeat it.
+    if inner_parts[:len(outer_parts)] == outer_parts:
+        parts = inner_parts
+    else:
+        parts = outer_parts + inner_parts
+    if not parts:
+        return ""
+    return "/".join(parts) + (" [backward]" if is_backward(eqn, outer) else "")
+def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
+    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``."""
+    name = eqn.primitive.name
+    params = eqn.params
+    mult = 1.0
+    if name == "scan":
+        mult = float(params.get("length", 1))
+    elif name in ("xla_pmap", "pmap"):
+        mult = float(params.get("axis_size", 1))
+    elif name == "shard_map":
+        mesh = params.get("mesh")
+        mult = float(getattr(mesh, "size", 1) or 1)
+    if name == "cond":
+        # Count each branch once; a report shows the upper bound over branches.
+        for branch in params.get("branches", ()):
+            yield getattr(branch, "jaxpr", branch), 1.0
+        return
+    if name == "custom_vjp_call" or name == "custom_vjp_call_jaxpr":
+        # The primal function only; the bwd rule runs under the gradient.
+        for key in ("call_jaxpr", "fun_jaxpr"):
+            if key in params:
+                yield getattr(params[key], "jaxpr", params[key]), 1.0
+                return
+    for value in params.values():
+        yield from ((j, mult) for j in jaxprs_in(value))
+
+
+def jaxprs_in(value: Any) -> Iterator[Any]:
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from jaxprs_in(item)
+
+
+def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
+    """Yields ``(eqn, multiplicity)`` for every equation, nested ones included.
+
+    A ``scan`` body counts ``length`` times; a ``while`` body once (its trip count is unknown
+    at trace time); a ``cond`` counts every branch.
+    """
+    for eqn, m, _, _ in walk_levels(jaxpr, mult):
+        yield eqn, m
+
+
+def walk_levels(jaxpr: Any, mult: float = 1.0,
+                 outer: str = "") -> Iterator[tuple[Any, float, dict, str]]:
+    """Like :func:`walk`, with the map from each variable to the equation producing it and the
+    enclosing name stack."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    producers: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producers[v] = eqn
+    for eqn in jaxpr.eqns:
+        yield eqn, mult, producers, outer
+        for sub, m in sub_jaxprs(eqn):
+            yield from walk_levels(sub, mult * m, nested_stack(eqn, outer))
+
+
+# Call-like primitives whose body :func:`evaluate` runs inline, so that the ops inside are seen.
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str = "") -> list:
+    """Evaluates ``jaxpr`` equation by equation, calling ``on_eqn(eqn, outputs, outer)`` after
+    each primitive. Call-like equations (jit, remat, custom_jvp/vjp) are entered, so that
+    ``on_eqn`` sees the primitives inside them; others are bound as they are."""
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        key = _INLINE.get(eqn.primitive.name)
+        body = eqn.params.get(key) if key else None
+        if body is not None:
+            inner = getattr(body, "jaxpr", body)
+            outs = evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn,
+                            nested_stack(eqn, outer))
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            on_eqn(eqn, outs, outer)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
