@@ -310,6 +310,13 @@ def _init(inner, policy: Policy, loss_scale: LossScale, params) -> MixedPrecisio
     )
 
 
+def _as_transformation(tx: Any) -> Any:
+    """``optax.MultiSteps`` is a class whose transform is ``.gradient_transformation()``."""
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
+    return tx
+
+
 def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any) -> None:
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"inner must be an optax.GradientTransformation, got "
@@ -377,6 +384,7 @@ def mixed_precision(
     policy = get_policy(policy)
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
+    inner = _as_transformation(inner)
     _check_arguments(inner, loss_scale, stall_after)
     inner = optax.with_extra_args_support(inner)
     return optax.GradientTransformationExtraArgs(
@@ -413,7 +421,7 @@ _INSIDE = ("put it inside jaxamp.mixed_precision, where it sees the true fp32 gr
 def _passes_through(node: Any) -> bool:
     """A container that hands the grads to its one member and returns its updates unchanged:
     ``optax.chain`` or ``optax.named_chain`` of the mixed-precision transform alone."""
-    return type(node) in (tuple, list, dict) and len(node) == 1
+    return (type(node) in (tuple, list) or isinstance(node, dict)) and len(node) == 1
 
 
 def _wrapping_error(node: Any) -> ValueError:
@@ -430,7 +438,7 @@ def _wrapping_error(node: Any) -> ValueError:
             "optax.inject_hyperparams wraps jaxamp.mixed_precision; inject the inner "
             "optimizer's hyperparameters instead: mixed_precision(optax.inject_hyperparams("
             "optax.adam)(learning_rate=1e-3), policy)")
-    if type(node) in (tuple, list, dict):
+    if type(node) in (tuple, list) or isinstance(node, dict):
         chain = "optax.named_chain" if isinstance(node, dict) else "optax.chain"
         return ValueError(
             f"{chain} puts other transforms beside jaxamp.mixed_precision: one before it "
@@ -446,9 +454,10 @@ def _locate(opt_state: Any) -> MixedPrecisionState | None:
     found = find_with_path(opt_state, MixedPrecisionState)
     if not found:
         return None
-    if len(found) > 1:
+    nested = sum(len(find_with_path(s.inner_state, MixedPrecisionState)) for _, s in found)
+    if len(found) + nested > 1:
         raise ValueError(f"expected exactly one MixedPrecisionState in the optimizer state, "
-                         f"found {len(found)}; wrap the whole optimizer once: "
+                         f"found {len(found) + nested}; wrap the whole optimizer once: "
                          "jaxamp.mixed_precision(inner, policy)")
     path, state = found[0]
     for node in parents_along(opt_state, path):
@@ -489,12 +498,13 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
     return state
 
 
-def policy_of(tx_or_state: Any) -> Policy | None:
+def policy_of(tx_or_state: Any, params: Any = None) -> Policy | None:
     """The policy a :func:`mixed_precision` transform carries, else ``None``.
 
-    Takes an optimizer state or a transform (whose ``init`` is traced abstractly on an empty
-    tree, so nothing is allocated). A wrapping that cannot be correct raises, as in
-    :func:`find_state`.
+    Takes an optimizer state or a transform, whose ``init`` is traced abstractly (nothing is
+    allocated) on ``params``, or on an empty tree by default; pass the params for a transform
+    whose init needs them (``optax.masked`` with a mask tree). A wrapping that cannot be
+    correct raises, as in :func:`find_state`.
 
     >>> import optax
     >>> str(policy_of(mixed_precision(optax.sgd(0.1), "mixed_float16")))
@@ -504,8 +514,9 @@ def policy_of(tx_or_state: Any) -> Policy | None:
     >>> policy_of(optax.sgd(0.1)) is None
     True
     """
+    tx_or_state = _as_transformation(tx_or_state)
     if isinstance(tx_or_state, optax.GradientTransformation):
-        tx_or_state = jax.eval_shape(tx_or_state.init, {})
+        tx_or_state = jax.eval_shape(tx_or_state.init, {} if params is None else params)
     state = _locate(tx_or_state)
     return None if state is None else state.policy
 

@@ -664,3 +664,72 @@ def test_the_state_can_be_donated(policy):
     for _ in range(2):
         state, m = step(state, {"x": jnp.ones((4, 3))})
     assert bool(m["grads_finite"]) and int(state.step) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Params with None leaves (Equinox's eqx.partition, hand-written trees)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["float32", "bfloat16", "mixed_bfloat16", "mixed_float16"])
+def test_params_with_none_leaves_train_under_every_policy(policy):
+    params = {"w": jnp.full((4,), 0.5, F32), "act": None, "layer": {"b": jnp.zeros(()),
+                                                                    "name": None}}
+
+    def loss_fn(p, batch):
+        assert p["act"] is None and p["layer"]["name"] is None
+        pred = (batch["x"] @ p["w"] + p["layer"]["b"]).astype(F32)
+        return jnp.mean((pred - batch["y"].astype(F32)) ** 2)
+
+    tx = optax.adam(1e-2)
+    tx = tx if policy in ("float32", "bfloat16") else jaxamp.mixed_precision(tx, policy)
+    state = jaxamp.TrainState.create(params=params, tx=tx, policy=policy)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, warn_fp32_matmuls=False))
+    first = None
+    for _ in range(20):
+        state, m = step(state, make_batch())
+        first = float(m["loss"]) if first is None else first
+    assert float(m["loss"]) < first
+    assert state.params["act"] is None and state.params["layer"]["name"] is None
+    assert state.master_params["act"] is None
+    compute = jaxamp.get_policy(policy).compute_dtype
+    assert state.params["w"].dtype == compute
+    # Non-finite gradients are found, and their leaf named, with the None leaves left out.
+    state, m = step(state, {**make_batch(), "poison": None,
+                            "y": np.full((16,), np.inf, np.float32)})
+    assert not bool(m["grads_finite"])
+    assert jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) == "layer/b"
+
+
+def test_an_equinox_mlp_trains_through_mixed_precision_and_make_train_step():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(in_size=4, out_size=1, width_size=16, depth=2, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    assert any(x is None for x in jax.tree.leaves(params, is_leaf=lambda x: x is None))
+
+    def loss_fn(params, batch):
+        net = eqx.combine(params, static)
+        pred = jax.vmap(net)(batch["x"])[:, 0].astype(F32)
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    assert all(x.dtype == BF16 for x in jax.tree.leaves(state.params))
+    assert all(x.dtype == F32 for x in jax.tree.leaves(state.master_params))
+    step = jax.jit(jaxamp.make_train_step(loss_fn))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every matmul runs in bf16: no promotion warning
+        losses = []
+        for _ in range(60):
+            state, m = step(state, make_batch())
+            losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+    report = jaxamp.audit_grad(loss_fn, state.params, policy_batch(make_batch()))
+    assert report.share("bfloat16") == 1.0
+    trained = eqx.combine(jaxamp.get_policy("mixed_bfloat16").cast_to_param(state.params),
+                          static)
+    assert trained(jnp.ones(4)).dtype == F32
+
+
+def policy_batch(batch):
+    return jaxamp.get_policy("mixed_bfloat16").cast_to_compute(batch)
