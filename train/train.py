@@ -1,12 +1,12 @@
 """``train_and_evaluate(config, workdir)``: one training run, end to end.
 
 Builds the data pipeline and the model, trains with ``jaxamp.make_train_step`` under the chosen
-precision and parallelism, logs every metric (CSV, TensorBoard), checkpoints with orbax's
-``CheckpointManager`` (and on SIGTERM/SIGINT), resumes bit for bit, evaluates, and plots.
-Only process 0 writes logs and plots; every process takes part in checkpoints.
+precision and parallelism, logs every metric (CSV, TensorBoard; ``train.metrics_log``),
+checkpoints with orbax (and on SIGTERM/SIGINT; ``train.checkpointing``), resumes bit for bit,
+evaluates, and plots. Only process 0 writes logs and plots; every process takes part in
+checkpoints.
 
-Crash safety: orbax writes each checkpoint into a temporary directory and renames it when it is
-complete, so a run killed at any point (even with SIGKILL, mid-write) resumes from the latest
+Crash safety: a run killed at any point (even with SIGKILL, mid-write) resumes from the latest
 complete checkpoint; the metrics log drops the rows written after it. A run whose gradients stay
 non-finite at the minimum loss scale (``stall_after`` steps in a row) stops with
 :class:`TrainingStalled` instead of skipping forever.
@@ -14,12 +14,10 @@ non-finite at the minimum loss scale (``stall_after`` steps in a row) stops with
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,95 +25,166 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 
 import jaxamp
+from train import checkpointing
 from train import data as data_lib
+from train import metrics_log
 from train import models
+from train.checkpointing import CheckpointMismatch
+from train.checkpointing import check_checkpoint_matches
+from train.configs.default import Config
+from train.metrics_log import plot_run
+from train.metrics_log import read_metrics
+from train.metrics_log import scalar as _scalar
 
-
-@dataclasses.dataclass
-class Config:
-    """A training run. The presets live in ``train.configs``."""
-
-    task: str = "digits"  # digits | text | mlm | synthetic_images | synthetic_text
-    model: str = "resnet18_small"
-    precision: str = "auto"
-    batch_size: int = 64
-    accum_steps: int = 1
-    steps: int = 300
-    lr: float = 1e-3
-    weight_decay: float = 1e-4
-    warmup_steps: int = 20
-    seed: int = 0
-    parallel: str = "none"  # none | pmap | jit
-    loss_scale: str = "auto"  # auto | dynamic | static | none
-    init_scale: float = 2.0**16
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float | None = None
-    # Stop after this many consecutive non-finite steps at the minimum loss scale (0: never).
-    stall_after: int = 10
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    log_every: int = 10
-    eval_batches: int = 8
-    seq_len: int = 64
-    image_size: int = 32  # synthetic images
-    num_classes: int = 10
-    data: str | None = None
-    progress: bool = True
-    # Config fields per model family ("resnet", "bert", "gpt"), e.g. {"resnet": {"width": 8}}.
-    model_overrides: dict = dataclasses.field(default_factory=dict)
-
-
-def _loss_scale(config: Config, policy: jaxamp.Policy):
-    kind = config.loss_scale
-    if kind == "auto":
-        kind = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
-    if kind == "dynamic":
-        return jaxamp.DynamicLossScale(loss_scale=config.init_scale,
-                                       growth_interval=config.growth_interval,
-                                       hysteresis=config.hysteresis,
-                                       min_scale=config.min_scale)
-    if kind == "static":
-        return jaxamp.StaticLossScale(config.init_scale)
-    if kind == "none":
-        return jaxamp.NoOpLossScale()
-    raise ValueError(f"unknown loss_scale {kind!r}; expected auto, dynamic, static or none")
+__all__ = ["CheckpointMismatch", "Config", "TrainingStalled", "build_data", "build_model",
+           "check_checkpoint_matches", "compare", "evaluate", "plot_run", "read_metrics",
+           "train_and_evaluate"]
 
 
 class TrainingStalled(FloatingPointError):
     """The gradients stayed non-finite at the minimum loss scale for ``stall_after`` steps."""
 
 
-class CheckpointMismatch(ValueError):
-    """``--resume`` found a checkpoint written for another model or state layout."""
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) -> dict:
+    """Trains and evaluates one config; returns the summary (also written to workdir)."""
+    os.makedirs(workdir, exist_ok=True)
+    is_chief = jax.process_index() == 0
+    policy = jaxamp.get_policy(config.precision)
+    batches, evals, meta = build_data(config)
+    params, model_state, loss_fn, eval_fn, flags = build_model(config, policy, meta)
+    state = create_train_state(config, policy, params, model_state)
+    axis = "batch" if config.parallel == "pmap" else None
+    step_fn = jaxamp.make_train_step(loss_fn, accum_steps=config.accum_steps, axis_name=axis,
+                                     **flags)
+    manager = checkpointing.manager(workdir, keep=config.keep_checkpoints)
+    start = 0
+    if resume:
+        state, start = checkpointing.restore_latest(manager, state, batches)
+        if start and is_chief:
+            print(f"resuming from the checkpoint of step {start} in "
+                  f"{checkpointing.directory(workdir)}", flush=True)
+    step, state, put, unput = _layout(config, step_fn, state)
+    # A host thread keeps the next batches ready; its state() is the position of the batches
+    # actually consumed, which is what a checkpoint must hold.
+    loop = _Loop(config, step, put, unput, data_lib.prefetch(batches, size=2), manager,
+                 metrics_log.MetricsLogger(workdir, enabled=is_chief, resume_from=start),
+                 metrics_log.progress(config, start, is_chief), params)
+    try:
+        state, stopped = _run_steps(loop, state, start)
+    finally:
+        loop.close()
+    final = unput(state)
+    summary = _summary(config, final, stopped, start if resume else None)
+    if stopped is None:
+        summary.update(evaluate(config, final, eval_fn, flags, evals))
+        if is_chief:
+            plot_run(workdir)
+    if is_chief:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
 
 
-def _leaf_specs(tree: Any) -> dict[str, str]:
-    """``{'params/head/kernel': 'float16[16, 10]', ...}`` for the array leaves of ``tree``."""
-    return {jaxamp.tree_path_str(path): f"{np.dtype(x.dtype).name}{list(x.shape)}"
-            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
+                       model_state: Any) -> jaxamp.TrainState:
+    """AdamW with warmup and cosine decay, wrapped by ``jaxamp.mixed_precision``."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps,
+                                                  max(config.steps, config.warmup_steps + 1))
+    tx = jaxamp.mixed_precision(optax.adamw(schedule, weight_decay=config.weight_decay),
+                                policy, loss_scale=_loss_scale(config, policy),
+                                stall_after=config.stall_after or None)
+    return jaxamp.TrainState.create(params=params, tx=tx, policy=policy, model_state=model_state,
+                                    rng=jax.random.PRNGKey(config.seed))
 
 
-def check_checkpoint_matches(path: str, state: Any) -> None:
-    """Raises :class:`CheckpointMismatch` unless the saved state at ``path`` has the leaves,
-    shapes and dtypes of ``state``. Reads only the checkpoint's metadata."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        meta = checkpointer.metadata(path)
-    meta = getattr(meta, "item_metadata", meta)
-    saved, wanted = _leaf_specs(getattr(meta, "tree", meta)), _leaf_specs(state)
-    diffs = [f"{k!r} is {saved[k]} in the checkpoint but {wanted[k]} in this run"
-             for k in wanted if k in saved and saved[k] != wanted[k]]
-    diffs += [f"{k!r} is missing from the checkpoint" for k in wanted if k not in saved]
-    diffs += [f"{k!r} is in the checkpoint but not in this run" for k in saved if k not in wanted]
-    if diffs:
-        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-        raise CheckpointMismatch(
-            f"--resume: the checkpoint {path} was written by another model or state layout: "
-            f"{'; '.join(diffs[:3])}{more}. Resume with the --config, --model and --precision "
-            "it was written with, or train afresh in another --workdir.")
+def _summary(config: Config, final: jaxamp.TrainState, stopped: int | None,
+             resumed_from: int | None) -> dict:
+    return {"config": dataclasses.asdict(config), "steps": stopped or config.steps,
+            "stopped_by_signal": stopped is not None, "resumed_from": resumed_from,
+            "skipped_steps": int(jaxamp.find_state(final.opt_state).skipped_steps),
+            "loss_scale": _scalar(final.loss_scale)}
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Loop:
+    """What the loop drives: the compiled step, the batches, and what it writes."""
+
+    config: Config
+    step: Callable
+    put: Callable  # places a host batch for the step
+    unput: Callable  # a state the step returned, as a host-side TrainState
+    feed: data_lib.Prefetcher
+    checkpoints: Any  # orbax.checkpoint.CheckpointManager
+    logger: metrics_log.MetricsLogger
+    bar: Any  # a tqdm bar or None
+    params: Any  # the params' tree, which names a non-finite leaf
+
+    def save(self, step: int, state: jaxamp.TrainState) -> None:
+        checkpointing.save(self.checkpoints, step, self.unput(state), self.feed.state())
+
+    def close(self) -> None:
+        self.feed.close()
+        if self.bar is not None:
+            self.bar.close()
+        self.logger.close()
+        self.checkpoints.close()
+
+
+def _run_steps(loop: _Loop, state: jaxamp.TrainState,
+               start: int) -> tuple[jaxamp.TrainState, int | None]:
+    """Steps from ``start`` to ``config.steps``; returns the state and the step a signal
+    stopped it at (``None``: it ran to the end)."""
+    config = loop.config
+    with _Stop() as stop:
+        throughput = metrics_log.Throughput(_items_per_step(config), start)
+        previous = None
+        for i in range(start, config.steps):
+            state, metrics = loop.step(state, loop.put(next(loop.feed)))
+            done = i + 1
+            # The previous step's stall flag, read while this step runs: every step is
+            # checked without a host sync between steps.
+            if previous is not None:
+                _raise_if_stalled(*previous, loop)
+            previous = (done, metrics)
+            if done % config.log_every == 0 or done == config.steps:
+                _log(loop, done, metrics, throughput)
+            if loop.bar is not None:
+                loop.bar.update(1)
+            if done % config.checkpoint_every == 0 or done == config.steps \
+                    or stop.signal is not None:
+                _raise_if_stalled(done, metrics, loop)
+                loop.save(done, state)
+                throughput.restart_clock()  # throughput leaves checkpoint time out
+            if stop.signal is not None:
+                return state, done
+    return state, None
+
+
+def _log(loop: _Loop, step: int, metrics: dict, throughput: metrics_log.Throughput) -> None:
+    row = metrics_log.row(metrics)
+    row["throughput"] = throughput.rate(step)
+    loop.logger.write(step, row)
+    metrics_log.show(loop.bar, row, "tokens/s" if _is_text(loop.config.task) else "img/s")
+
+
+def _items_per_step(config: Config) -> int:
+    return config.batch_size * config.seq_len if _is_text(config.task) else config.batch_size
+
+
+def _raise_if_stalled(done: int, metrics: dict, loop: _Loop) -> None:
+    if _scalar(metrics["stalled"]):
+        raise TrainingStalled(_stall_message(done, metrics, loop.params,
+                                             loop.config.stall_after))
 
 
 def _stall_message(done: int, metrics: dict, params: Any, stall_after: int) -> str:
@@ -130,6 +199,10 @@ def _stall_message(done: int, metrics: dict, params: Any, stall_after: int) -> s
             "inf or nan in the data, lower --lr, or run this layer in float32; "
             "--stall-after 0 keeps skipping instead.")
 
+
+# --------------------------------------------------------------------------------------------
+# Data, model, optimizer and layout
+# --------------------------------------------------------------------------------------------
 
 def _is_text(task: str) -> bool:
     return task in ("text", "mlm", "synthetic_text")
@@ -197,26 +270,20 @@ def build_model(config: Config, policy: jaxamp.Policy, meta: dict):
     return params, model_state, loss_fn, eval_fn, flags
 
 
-class _Stop:
-    """Turns SIGTERM/SIGINT into a flag the loop checks, so it can save before exiting."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        del frame
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        return False
+def _loss_scale(config: Config, policy: jaxamp.Policy):
+    kind = config.loss_scale
+    if kind == "auto":
+        kind = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
+    if kind == "dynamic":
+        return jaxamp.DynamicLossScale(loss_scale=config.init_scale,
+                                       growth_interval=config.growth_interval,
+                                       hysteresis=config.hysteresis,
+                                       min_scale=config.min_scale)
+    if kind == "static":
+        return jaxamp.StaticLossScale(config.init_scale)
+    if kind == "none":
+        return jaxamp.NoOpLossScale()
+    raise ValueError(f"unknown loss_scale {kind!r}; expected auto, dynamic, static or none")
 
 
 def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
@@ -244,127 +311,31 @@ def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
     raise ValueError(f"unknown parallel {config.parallel!r}; expected none, pmap or jit")
 
 
-def _scalar(x) -> float:
-    x = np.asarray(jax.device_get(x))
-    return float(x.reshape(-1)[0])
+class _Stop:
+    """Turns SIGTERM/SIGINT into a flag the loop checks, so it can save before exiting."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        del frame
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        return False
 
 
-def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) -> dict:
-    """Trains and evaluates one config; returns the summary (also written to workdir)."""
-    os.makedirs(workdir, exist_ok=True)
-    policy = jaxamp.get_policy(config.precision)
-    is_chief = jax.process_index() == 0
-    batches, evals, meta = build_data(config)
-    params, model_state, loss_fn, eval_fn, flags = build_model(config, policy, meta)
-
-    schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps,
-                                                  max(config.steps, config.warmup_steps + 1))
-    tx = jaxamp.mixed_precision(optax.adamw(schedule, weight_decay=config.weight_decay),
-                                policy, loss_scale=_loss_scale(config, policy),
-                                stall_after=config.stall_after or None)
-    state = jaxamp.TrainState.create(params=params, tx=tx, policy=policy,
-                                     model_state=model_state, rng=jax.random.PRNGKey(config.seed))
-    axis = "batch" if config.parallel == "pmap" else None
-    step_fn = jaxamp.make_train_step(loss_fn, accum_steps=config.accum_steps, axis_name=axis,
-                                     **flags)
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)
-    checkpoints = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    manager = ocp.CheckpointManager(checkpoints, options=options, item_names=("state", "data"))
-    start = 0
-    # latest_step() only sees committed checkpoints: a write cut short (a kill, a crash) leaves
-    # a "<step>.orbax-checkpoint-tmp" directory that is never loaded and is replaced on save.
-    if resume and manager.latest_step() is not None:
-        start = int(manager.latest_step())
-        try:
-            check_checkpoint_matches(os.path.join(checkpoints, str(start), "state"), state)
-        except CheckpointMismatch:
-            manager.close()
-            raise
-        restored = manager.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(state), data=ocp.args.JsonRestore()))
-        state = restored.state
-        batches.restore(tuple(restored.data))
-        if is_chief:
-            print(f"resuming from the checkpoint of step {start} in {checkpoints}", flush=True)
-
-    step, state, put, unput = _layout(config, step_fn, state)
-    # A host thread keeps the next batches ready; its state() is the position of the batches
-    # actually consumed, which is what a checkpoint must hold.
-    feed = data_lib.prefetch(batches, size=2)
-
-    def save(at: int):
-        host_state = unput(state)
-        manager.save(at, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(host_state),
-            data=ocp.args.JsonSave(list(feed.state()))),
-            force=True)
-        manager.wait_until_finished()
-
-    logger = _Logger(workdir, enabled=is_chief, resume_from=start if resume else 0)
-    items = (config.batch_size * config.seq_len) if _is_text(config.task) else config.batch_size
-    unit = "tokens/s" if _is_text(config.task) else "img/s"
-    bar = _progress(config, start, is_chief)
-    stopped = None
-    try:
-        with _Stop() as stop:
-            t_last, n_last = time.perf_counter(), start
-            previous = None
-            for i in range(start, config.steps):
-                state, metrics = step(state, put(next(feed)))
-                done = i + 1
-                # The previous step's stall flag, read while this step runs: every step is
-                # checked without a host sync between steps.
-                if previous is not None and _scalar(previous[1]["stalled"]):
-                    raise TrainingStalled(_stall_message(*previous, params, config.stall_after))
-                previous = (done, metrics)
-                if done % config.log_every == 0 or done == config.steps:
-                    row = {k: _scalar(v) for k, v in metrics.items() if k != "aux"}
-                    row.update({f"aux_{k}": _scalar(v)
-                                for k, v in metrics.get("aux", {}).items()})
-                    now = time.perf_counter()
-                    row["throughput"] = items * (done - n_last) / max(now - t_last, 1e-9)
-                    t_last, n_last = now, done
-                    logger.write(done, row)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{row['loss']:.4f}",
-                                        scale=f"{row['loss_scale']:g}",
-                                        skipped=int(row["skipped_steps"]),
-                                        **{unit: f"{row['throughput']:.0f}"})
-                if bar is not None:
-                    bar.update(1)
-                saving = done % config.checkpoint_every == 0 or done == config.steps
-                if (saving or stop.signal is not None) and _scalar(metrics["stalled"]):
-                    raise TrainingStalled(_stall_message(done, metrics, params,
-                                                         config.stall_after))
-                if saving:
-                    save(done)
-                    t_last = time.perf_counter()  # throughput leaves checkpoint time out
-                if stop.signal is not None:
-                    save(done)
-                    stopped = done
-                    break
-    finally:
-        feed.close()
-        if bar is not None:
-            bar.close()
-        logger.close()
-        manager.close()
-
-    final = unput(state)
-    summary = {"config": dataclasses.asdict(config), "steps": stopped or config.steps,
-               "stopped_by_signal": stopped is not None, "resumed_from": start if resume else None,
-               "skipped_steps": int(jaxamp.find_state(final.opt_state).skipped_steps),
-               "loss_scale": _scalar(final.loss_scale)}
-    if stopped is None:
-        summary.update(evaluate(config, final, eval_fn, flags, evals))
-        if is_chief:
-            plot_run(workdir)
-    if is_chief:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-    return summary
-
+# --------------------------------------------------------------------------------------------
+# Eval and compare
+# --------------------------------------------------------------------------------------------
 
 def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags: dict,
              evals) -> dict:
@@ -389,125 +360,18 @@ def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags:
     return out
 
 
-def _progress(config: Config, start: int, enabled: bool):
-    if not (enabled and config.progress):
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=config.steps, initial=start, desc=f"{config.model} {config.precision}",
-                dynamic_ncols=True)
-
-
-class _Logger:
-    """CSV and TensorBoard logs of every metric (process 0 only)."""
-
-    def __init__(self, workdir: str, *, enabled: bool, resume_from: int = 0):
-        self.enabled = enabled
-        self.path = os.path.join(workdir, "metrics.csv")
-        self._file = None
-        self._writer: Any = None
-        self._tb: Any = None
-        if not enabled:
-            return
-        # A resumed run continues the log of the checkpoint it restored: rows written after
-        # that checkpoint (by a run that was killed) are dropped, and so is a torn last line.
-        self._resume = resume_from > 0 and _truncate_log(self.path, resume_from)
-        try:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        except ImportError:  # the [train] extra is not installed: CSV only
-            self._tb = None
-
-    def write(self, step: int, row: dict):
-        if not self.enabled:
-            return
-        if self._file is None:
-            self._file = open(self.path, "a" if self._resume else "w", newline="")  # noqa: SIM115
-            self._writer = csv.DictWriter(self._file, fieldnames=["step", *row])
-            if not self._resume:
-                self._writer.writeheader()
-        self._writer.writerow({"step": step, **row})
-        self._file.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                self._tb.add_scalar(k, v, step)
-
-    def close(self):
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _truncate_log(path: str, last_step: int) -> bool:
-    """Keeps the complete rows of ``path`` up to ``last_step``; False when there is no log."""
-    if not os.path.exists(path):
-        return False
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    if not rows:
-        return False
-    header, body = rows[0], rows[1:]
-    keep = [r for r in body
-            if len(r) == len(header) and r[0].isdigit() and int(r[0]) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows([header, *keep])
-    os.replace(tmp, path)
-    return True
-
-
-def read_metrics(workdir: str) -> dict[str, np.ndarray]:
-    with open(os.path.join(workdir, "metrics.csv")) as f:
-        rows = list(csv.DictReader(f))
-    return {k: np.array([float(r[k]) for r in rows]) for k in rows[0]} if rows else {}
-
-
-def plot_run(workdir: str) -> str:
-    """Loss and loss scale against step, as ``workdir/curves.png``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    m = read_metrics(workdir)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot(m["step"], m["loss"])
-    ax1.set(xlabel="step", ylabel="loss", title="training loss")
-    ax2.plot(m["step"], m["loss_scale"])
-    ax2.set(xlabel="step", ylabel="loss scale", title="loss scale", yscale="log")
-    fig.tight_layout()
-    path = os.path.join(workdir, "curves.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def compare(config: Config, precisions: list[str], workdir: str) -> list[dict]:
     """Trains the same config under several precisions; writes a table and one plot."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     results = []
-    fig, ax = plt.subplots(figsize=(6, 4))
     for precision in precisions:
-        run_dir = os.path.join(workdir, precision)
-        summary = train_and_evaluate(dataclasses.replace(config, precision=precision), run_dir)
+        summary = train_and_evaluate(dataclasses.replace(config, precision=precision),
+                                     os.path.join(workdir, precision))
         results.append({"precision": precision, **{k: v for k, v in summary.items()
                                                    if k != "config"}})
-        if jax.process_index() == 0:
-            m = read_metrics(run_dir)
-            ax.plot(m["step"], m["loss"], label=precision)
     if jax.process_index() == 0:
-        ax.set(xlabel="step", ylabel="training loss", title=f"{config.model} on {config.task}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(workdir, "compare.png"), dpi=100)
-        keys = ["precision", "eval_loss", "eval_accuracy", "skipped_steps", "loss_scale"]
-        lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        for r in results:
-            lines.append("| " + " | ".join(
-                f"{r[k]:.4f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
-                for k in keys) + " |")
+        metrics_log.plot_compare(workdir, precisions, title=f"{config.model} on {config.task}")
+        table = metrics_log.compare_table(results)
         with open(os.path.join(workdir, "compare.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
-        print("\n".join(lines))
-    plt.close(fig)
+            f.write(table + "\n")
+        print(table)
     return results

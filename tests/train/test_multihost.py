@@ -10,8 +10,8 @@ import sys
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["-m", "train", "--config", "tiny", "--steps", "4", "--checkpoint-every", "4",
         "--parallel", "jit", "--precision", "mixed_float16", "--no-progress"]
 

@@ -1,0 +1,46 @@
+"""The ``default`` preset: a small-image ResNet-18 on scikit-learn's digits, and the ``Config``
+every preset overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Config:
+    """A training run. Each preset in ``train.configs`` overrides :func:`get_config`."""
+
+    task: str = "digits"  # digits | text | mlm | synthetic_images | synthetic_text
+    model: str = "resnet18_small"
+    precision: str = "auto"
+    batch_size: int = 64
+    accum_steps: int = 1
+    steps: int = 300
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    warmup_steps: int = 20
+    seed: int = 0
+    parallel: str = "none"  # none | pmap | jit
+    loss_scale: str = "auto"  # auto | dynamic | static | none
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    # Stop after this many consecutive non-finite steps at the minimum loss scale (0: never).
+    stall_after: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    eval_batches: int = 8
+    seq_len: int = 64
+    image_size: int = 32  # synthetic images
+    num_classes: int = 10
+    data: str | None = None
+    progress: bool = True
+    # Config fields per model family ("resnet", "bert", "gpt"), e.g. {"resnet": {"width": 8}}.
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+
+
+def get_config() -> Config:
+    return Config(task="digits", model="resnet18_small", batch_size=64, steps=300, lr=3e-3,
+                  checkpoint_every=100, log_every=10, model_overrides={"resnet": {"width": 16}})
