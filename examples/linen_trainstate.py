@@ -1,6 +1,6 @@
 """A Flax Linen model trained through ``jaxamp.mixed_precision`` with flax's own ``TrainState``.
 
-    python -m train.linen_example
+    python examples/linen_trainstate.py
 
 jaxamp's optimizer wrapper is a plain optax transform: flax's ``TrainState.apply_gradients``
 drives it. The only change to a standard Linen loop is the loss: differentiate
@@ -12,8 +12,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
+from sklearn.datasets import load_digits
 
 import jaxamp
 
@@ -28,9 +30,9 @@ class MLP(nn.Module):
 
 
 def main(steps: int = 200, seed: int = 0) -> dict:
-    from train.data import load_digits
-    digits = load_digits()
-    x, y = digits["image"].reshape(len(digits["image"]), -1), digits["label"]
+    digits = load_digits()  # 1,797 8x8 images, shipped with scikit-learn
+    x = (digits.data / 16.0).astype(np.float32)  # pixels are 0..16
+    y = digits.target.astype(np.int32)
     policy = jaxamp.get_policy("mixed_float16")
     model = MLP(dtype=policy.compute_dtype)
     params = model.init(jax.random.key(seed), x[:1])["params"]

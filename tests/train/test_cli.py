@@ -98,9 +98,3 @@ def test_compare_writes_one_table_and_one_plot(tmp_path):
     assert "float32" in table and "mixed_float16" in table
     assert (tmp_path / "compare.png").stat().st_size > 1000
 
-
-def test_linen_example_trains_with_flax_train_state():
-    from train import linen_example
-    out = linen_example.main(steps=100)
-    assert out["accuracy"] > 0.85
-    assert (out["params_dtype"], out["master_dtype"]) == ("float16", "float32")
