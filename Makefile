@@ -21,7 +21,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q jaxamp tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxamp tests train
+	$(VENV)/bin/ruff check jaxamp tests train examples
 	$(VENV)/bin/mypy jaxamp
 
 demo: $(STAMP)
