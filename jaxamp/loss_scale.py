@@ -120,7 +120,7 @@ class _LossScaleMethods:
         works on fp16 values. A loss should be scaled in fp32: ``scale(loss.astype(f32))``.
         """
         def mul(x):
-            wide = jnp.promote_types(x.dtype, jnp.float32)
+            wide = x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32  # explicit
             return (x.astype(wide) * self.loss_scale).astype(x.dtype)
         return map_floating(mul, tree)
 

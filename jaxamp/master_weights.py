@@ -368,7 +368,11 @@ def mixed_precision(
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
       master (in ``param_dtype``). ``update(scaled_grads, state, params, **extra)`` expects the
       gradient of ``scale_loss(loss, state)`` with respect to the working params (each in its
-      working dtype: a ``ValueError`` otherwise), and forwards ``extra`` to ``inner``.
+      working dtype: a ``ValueError`` otherwise), and forwards ``extra`` to ``inner``. The
+      updates of half-precision params are fp32 (the exact difference to the cast master), so
+      ``optax.apply_updates`` promotes bf16 + fp32; under
+      ``jax.numpy_dtype_promotion("strict")`` take :func:`working_params` instead, as
+      :func:`jaxamp.make_train_step` does.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> tx = mixed_precision(optax.sgd(0.25), "mixed_bfloat16")

@@ -7,6 +7,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -129,3 +130,22 @@ def final_state(workdir, step):
     path = os.path.join(workdir, "checkpoints", str(step), "state")
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Strict dtype promotion
+# --------------------------------------------------------------------------------------------
+
+def standard_promotion(inner):
+    """``inner`` with its own arithmetic under standard promotion: optax's (``1 - b1**count``
+    with an int32 count) is not ours to make strict, while jaxamp's around it is."""
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.init(params)
+
+    def update(updates, state, params=None, **extra):
+        with jax.numpy_dtype_promotion("standard"):
+            return inner.update(updates, state, params, **extra)
+    return optax.GradientTransformationExtraArgs(init, update)

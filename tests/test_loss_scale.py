@@ -22,6 +22,9 @@ from jaxamp import NoOpLossScale
 from jaxamp import StaticLossScale
 from jaxamp import all_finite
 
+# The library's own arithmetic must be promotion-clean (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("strict_promotion")
+
 
 @jax.jit
 def _adjust(state, finite):

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_bitwise_equal
+from helpers import standard_promotion
 from hypothesis import Phase
 from hypothesis import given
 from hypothesis import settings
@@ -495,14 +496,27 @@ def _avals(tree):
             for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+# The inner transforms of the table: each one's state must keep its dtypes under the wrapper.
+INNERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "sgd_schedule": lambda: optax.sgd(optax.linear_schedule(0.1, 0.0, 10), momentum=0.9),
+    "clip_adamw": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-3), 2),
+}
+
+
+@pytest.mark.usefixtures("strict_promotion")
+@pytest.mark.parametrize("inner", sorted(INNERS))
 @pytest.mark.parametrize("compute_dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("scale_kind", ["noop", "static", "dynamic"])
-def test_state_dtypes_are_invariant(compute_dtype, scale_kind):
+def test_state_dtypes_are_invariant(compute_dtype, scale_kind, inner):
     loss_scale = {"noop": jaxamp.NoOpLossScale(),
                   "static": jaxamp.StaticLossScale(2.0**4),
                   "dynamic": jaxamp.DynamicLossScale(loss_scale=2.0**4, growth_interval=1)}
     policy = mixed_policy(compute_dtype)
-    tx = jaxamp.mixed_precision(optax.adam(1e-3), policy, loss_scale=loss_scale[scale_kind])
+    tx = jaxamp.mixed_precision(standard_promotion(INNERS[inner]()), policy,
+                                loss_scale=loss_scale[scale_kind])
     master = {"w": jnp.array([[1.0, -2.0], [0.5, 0.0]], F32), "b": jnp.array([0.1, 0.2], F32)}
     state = tx.init(master)
     params = policy.cast_params_to_compute(master)
@@ -513,7 +527,8 @@ def test_state_dtypes_are_invariant(compute_dtype, scale_kind):
     nonfinite = {"w": finite["w"].at[0, 1].set(jnp.inf), "b": finite["b"].at[1].set(jnp.nan)}
     for grads, ok in [(finite, True), (nonfinite, False), (finite, True)]:
         updates, state = update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        with jax.numpy_dtype_promotion("standard"):  # bf16 + fp32: optax's add, not ours
+            params = optax.apply_updates(params, updates)
         assert bool(state.grads_finite) == ok
         assert jax.tree.structure(state) == init_structure
         assert _avals(state) == init_avals

@@ -19,6 +19,9 @@ from jaxamp import get_policy
 from jaxamp import resolve_auto
 from jaxamp import tree_path_str
 
+# The library's own arithmetic must be promotion-clean (see tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("strict_promotion")
+
 F32 = jnp.dtype(jnp.float32)
 BF16 = jnp.dtype(jnp.bfloat16)
 F16 = jnp.dtype(jnp.float16)

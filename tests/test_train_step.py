@@ -17,6 +17,7 @@ from helpers import mlp
 from helpers import mse_loss
 from helpers import per_example_loss
 from helpers import replicated_sharding
+from helpers import standard_promotion
 
 import jaxamp
 
@@ -733,3 +734,18 @@ def test_an_equinox_mlp_trains_through_mixed_precision_and_make_train_step():
 
 def policy_batch(batch):
     return jaxamp.get_policy("mixed_bfloat16").cast_to_compute(batch)
+
+
+@pytest.mark.usefixtures("strict_promotion")
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_the_step_is_promotion_clean(policy, accum_steps):
+    """jaxamp's own arithmetic in the step (scaling, accumulation, the skip, the metrics) runs
+    under strict promotion; optax's inside the inner transform runs under standard."""
+    tx = jaxamp.mixed_precision(standard_promotion(optax.adam(1e-2)), policy)
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+    step = jax.jit(jaxamp.make_train_step(mse_loss, accum_steps=accum_steps,
+                                          warn_fp32_matmuls=False))
+    for _ in range(2):
+        state, m = step(state, make_batch())
+    assert bool(m["grads_finite"]) and np.isfinite(float(m["loss"]))
