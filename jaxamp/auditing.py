@@ -14,8 +14,10 @@ gradient. The report holds:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
+import io
 import math
 import re
 import warnings
@@ -26,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import print_saved_residuals
 
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import scope
@@ -170,12 +173,14 @@ def _residuals(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str]]
         saved_residuals = None  # type: ignore[assignment]
     if saved_residuals is not None:
         return list(saved_residuals(fn, *args, **kwargs))
-    import contextlib
-    import io
+    return _printed_residuals(fn, args, kwargs)
 
+
+def _printed_residuals(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
+    """The same list, parsed from the public ``print_saved_residuals``."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        jax.ad_checkpoint.print_saved_residuals(fn, *args, **kwargs)
+        print_saved_residuals(fn, *args, **kwargs)
     return [parsed for line in printed.getvalue().splitlines()
             if (parsed := _parse_residual(line)) is not None]
 
