@@ -16,12 +16,13 @@ import json
 import os
 import sys
 
+import jaxamp
 from train import data as data_lib
 from train.configs import PRESETS
 from train.configs import get_config
 
 PROG = "python -m train"
-PRECISIONS = ("auto", "float32", "bfloat16", "mixed_bfloat16", "mixed_float16")
+PRECISIONS = jaxamp.PRESETS  # the one list of presets
 DATA_HELP = (
     "your own data instead of the task's. --task digits: a .npz archive, "
     "np.savez(FILE, image=images, label=labels), with images [N, H, W] or [N, H, W, C] (uint8 "
