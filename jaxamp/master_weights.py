@@ -184,7 +184,9 @@ def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: 
                 f"{jnp.dtype(p.dtype).name}. Pass the working params to tx.update: "
                 "jaxamp.TrainState.create(params=..., tx=tx) casts them, or cast them "
                 "yourself with jaxamp.get_policy(policy).cast_params_to_compute(params) "
-                "(for an NNX model, before building nnx.Optimizer)")
+                "(for an NNX model, after building nnx.Optimizer, so that the master starts "
+                "from the fp32 values: nnx.update(model, policy.cast_params_to_compute("
+                "nnx.state(model, nnx.Param))))")
 
 
 def _apply(inner, extra_args, same, scale, master, inner_state, grads):

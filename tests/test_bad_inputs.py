@@ -233,8 +233,9 @@ def test_a_rejected_donated_step_leaves_the_state_intact_and_usable(kwargs, batc
 
 def test_a_rejected_update_leaves_the_optimizer_state_usable():
     tx = jaxamp.mixed_precision(optax.adam(0.1), "mixed_bfloat16")
-    params = {"w": jnp.ones(4), "b": jnp.zeros(2)}
-    opt_state = tx.init(params)
+    master = {"w": jnp.ones(4), "b": jnp.zeros(2)}
+    opt_state = tx.init(master)
+    params = get_policy("mixed_bfloat16").cast_params_to_compute(master)  # the working params
     snapshot = jax.device_get(opt_state)
     with pytest.raises(ValueError, match="gradient of 'w' has shape"):
         tx.update({"w": jnp.ones(3), "b": jnp.ones(2)}, opt_state, params)

@@ -215,9 +215,13 @@ def _nnx_step(model, optimizer, batch):
 
 def test_nnx_optimizer_with_a_cast_model_trains_in_bf16():
     model = _Mlp(nnx.Rngs(0))
+    fp32 = jax.tree.leaves(nnx.state(model, nnx.Param))
+    optimizer = nnx.Optimizer(model, mp(), wrt=nnx.Param)  # the master: the fp32 values
     policy = jaxamp.get_policy("mixed_bfloat16")
     nnx.update(model, policy.cast_params_to_compute(nnx.state(model, nnx.Param)))
-    optimizer = nnx.Optimizer(model, mp(), wrt=nnx.Param)
+    for m, p in zip(jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state)), fp32,
+                    strict=True):
+        np.testing.assert_array_equal(m, p)
     batch = make_batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
