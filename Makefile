@@ -14,23 +14,23 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,train]'
+	$(PY) -m pip install --quiet -e '.[dev,train,bench]'
 	touch $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q jaxamp tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxamp tests train examples
+	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples
 	$(VENV)/bin/mypy jaxamp
 
 demo: $(STAMP)
 	$(PY) -m train --compare auto,mixed_float16 --workdir runs/demo
 
 bench: $(STAMP)
-	$(PY) -m train.bench overhead
-	$(PY) -m train.bench memory
-	$(PY) -m train.bench torch
+	$(PY) -m benchmarks overhead
+	$(PY) -m benchmarks memory
+	$(PY) -m benchmarks torch
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs

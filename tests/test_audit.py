@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
 import jaxamp
-from train.flax_encoder import variants
+from train.models.linen_encoder import variants
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 N_DEVICES = 8
@@ -80,7 +80,7 @@ def test_jmp_recipe_runs_the_matmuls_in_fp32(encoder_reports, which):
     assert flops == sorted(flops, reverse=True)
     # The sites point at the model's own lines that call each layer, not into flax ...
     for site in report.fp32_matmuls:
-        assert "train/flax_encoder.py" in site.where, site.where
+        assert "train/models/linen_encoder.py" in site.where, site.where
         assert site.primitive == "dot_general"
     # ... and their name stacks name the modules: the Dense after each LayerNorm, the
     # attention projections and the head.

@@ -3,7 +3,7 @@
 Every matmul runs in the compute dtype ``dtype`` with fp32 params. LayerNorm statistics, the
 attention softmax, GELU and the logits' loss run in fp32, and each fp32 result is cast back to
 ``dtype`` before the next matmul, so no matmul is promoted to fp32 (see
-``train/flax_encoder.py`` for what happens otherwise). The models return fp32 logits;
+``train/models/linen_encoder.py`` for what happens otherwise). The models return fp32 logits;
 ``logits_dtype=None`` keeps them in the compute dtype, which is what the losses use: the
 cross-entropy upcasts them inside and saves the half-precision logits for the backward pass
 instead of an fp32 copy (the (B, L, vocab) logits are a large activation). GELU is the tanh

@@ -1,4 +1,5 @@
-"""The benchmark suites run at a tiny size, write every field, and compare like with like."""
+"""The benchmark suites (``python -m benchmarks``) run at a tiny size, write every field, and
+compare like with like."""
 
 import json
 
@@ -6,7 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from train import bench
+from benchmarks import cpu_flags
+from benchmarks import gpu
+from benchmarks import harness
+from benchmarks.__main__ import main
 
 OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_apply_if_finite",
                      "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4"]
@@ -20,7 +24,7 @@ def read_jsonl(path):
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    results = bench.main(["all", "--tiny", "--out", str(out)])
+    results = main(["all", "--tiny", "--out", str(out)])
     return out, results
 
 
@@ -88,9 +92,9 @@ def test_cpu_flags_suite_runs_each_flag_set_in_its_own_process(tiny_runs):
     if rows is None:
         return
     assert [(r["flags"], r["system"]) for r in rows] == [
-        (f, s) for f in list(bench.CPU_FLAG_SETS)[:2]
+        (f, s) for f in list(cpu_flags.CPU_FLAG_SETS)[:2]
         for s in ("jax fp32", "jaxamp mixed_bfloat16")]
-    assert rows[2]["xla_flags"] == bench.CPU_FLAG_SETS[rows[2]["flags"]]
+    assert rows[2]["xla_flags"] == cpu_flags.CPU_FLAG_SETS[rows[2]["flags"]]
     for r in rows:
         assert r["median_ms"] > 0 and r["torch_autocast_ms"] > 0
         assert abs(r["loss_vs_default"]) < 2e-2
@@ -100,7 +104,7 @@ def test_gpu_suite_at_a_tiny_size(tiny_runs):
     out, _ = tiny_runs
     rows = read_jsonl(out / "gpu.jsonl")
     assert [(r["model"], r["precision"]) for r in rows] == [
-        (m, p) for m in ("resnet50", "bert_large") for p in bench.GPU_PRECISIONS]
+        (m, p) for m in ("resnet50", "bert_large") for p in gpu.GPU_PRECISIONS]
     for r in rows:
         assert r["per_s"] > 0 and r["tflops"] > 0 and np.isfinite(r["loss"])
         assert r["unit"] == ("img/s" if r["model"] == "resnet50" else "seq/s")
@@ -110,7 +114,7 @@ def test_gpu_suite_at_a_tiny_size(tiny_runs):
 def test_gpu_suite_says_it_skipped_without_a_gpu(tmp_path, capsys):
     if jax.devices()[0].platform == "gpu":
         pytest.fail("these tests run on the CPU")
-    assert bench.main(["gpu", "--out", str(tmp_path)]) == {"gpu": []}
+    assert main(["gpu", "--out", str(tmp_path)]) == {"gpu": []}
     assert "no GPU here" in capsys.readouterr().out
 
 
@@ -128,17 +132,16 @@ def test_peer_steps_compute_the_same_first_loss_and_train(tiny_runs):
 def test_time_rounds_rotates_the_order_and_pairs_the_ratios():
     calls = []
     runners = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    times = bench.time_rounds(runners, rounds=3)
+    times = harness.time_rounds(runners, rounds=3)
     assert calls == list("abc") + list("abc") + list("bca") + list("cab")  # warm-up, 3 rounds
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
     paired = {"x": [2.0, 4.0, 9.0, 1.0], "ref": [1.0, 2.0, 3.0, 1.0]}  # ratios 2, 2, 3, 1
-    assert bench.paired_ratio(paired, "x", "ref") == (2.0, 1.75, 2.25)
-    assert bench.paired_ratio(paired, "ref", "ref") == (1.0, 1.0, 1.0)
+    assert harness.paired_ratio(paired, "x", "ref") == (2.0, 1.75, 2.25)
+    assert harness.paired_ratio(paired, "ref", "ref") == (1.0, 1.0, 1.0)
 
 
 def test_bench_layout_counts_the_bytes_of_each_instruction(capsys):
-    from train import bench_layout
-    total = bench_layout.main(["--tiny", "--rounds", "1"])
+    total = main(["layout", "--tiny", "--rounds", "1"])["layout"]
     out = capsys.readouterr().out
     assert "| **total** |" in out and "| jaxamp pinned |" in out
     # The shipped step (gradients pinned to row-major) accesses fewer bytes than without the pin.

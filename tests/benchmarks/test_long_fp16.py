@@ -1,16 +1,16 @@
-"""A short version of ``python -m train.bench_long_fp16``: hundreds of fp16 steps whose dynamic
+"""A short version of ``python -m benchmarks long_fp16``: hundreds of fp16 steps whose dynamic
 loss scale grows into real overflows and backs off many times, against the fp32 run."""
 
 import numpy as np
 import pytest
 from helpers import reference_sequence
 
-from train import bench_long_fp16
+from benchmarks import long_fp16
 
 
 @pytest.fixture(scope="module")
 def figures():
-    return bench_long_fp16.report(steps=600, growth_interval=10)
+    return long_fp16.report(steps=600, growth_interval=10)
 
 
 def test_the_scale_cycles_and_stays_finite_and_positive(figures):

@@ -1,28 +1,31 @@
-"""Where the bytes of a step go: XLA's byte count, instruction by instruction.
+"""Suite ``layout``: where the bytes of a step go, XLA's byte count instruction by instruction.
 
-    python -m train.bench_layout [--rounds 100] [--tiny]
+    python -m benchmarks layout [--rounds 100] [--tiny]   # --rounds 0: the bytes alone
 
-Compiles the encoder step of ``python -m train.bench overhead`` three ways: the bare bf16 step,
-jaxamp's ``mixed_bfloat16`` step as shipped (gradients pinned to row-major on XLA:CPU), and the
-same step without the pin. It prints
+Compiles the encoder step of the overhead suite three ways: the bare bf16 step, jaxamp's
+``mixed_bfloat16`` step with its gradients pinned to row-major (``pin_grad_layout=True``, what
+the default does on a single CPU device), and the same step without the pin
+(``pin_grad_layout=False``). It prints
 
 - the bytes accessed by kind of instruction (fusions named by XLA's fusion kind), for each step,
   and the difference to the bare step; the per-instruction count (operands plus result, of every
   instruction the entry computation and its conditional branches run) reproduces
   ``cost_analysis()["bytes accessed"]`` to within 0.1% (XLA counts a few fusion operands by the
-  part they read), which the script checks;
+  part they read), which the suite checks;
 - the three steps timed interleaved, as the median of per-round ratios to the bare step.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import re
 import statistics
 
-import jaxamp.master
-from train import bench
+from benchmarks import harness
+from benchmarks import overhead
+
+ROUNDS = 100
+COST_ONLY = True  # --rounds 0 prints the bytes and times nothing
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -46,7 +49,7 @@ def bytes_by_instruction(compiled) -> collections.Counter:
     A kind is the instruction's name without its number (``multiply_add_fusion``,
     ``wrapped_convert``, ``copy``). Conditionals count the bytes of their branches.
     """
-    comps, entry = bench.hlo_computations(compiled.as_text())
+    comps, entry = harness.hlo_computations(compiled.as_text())
     out: collections.Counter = collections.Counter()
 
     def walk(name: str) -> None:
@@ -75,29 +78,10 @@ def bytes_by_instruction(compiled) -> collections.Counter:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Prints both tables; returns each step's bytes accessed."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--tiny", action="store_true", help="a tiny encoder (for the tests)")
-    args = parser.parse_args(argv)
-    cfg, batch_size = bench.encoder_config(args.tiny)
-    pinned_backends = jaxamp.master._PIN_LAYOUT_BACKENDS
-    variants, batch = bench.overhead_variants(cfg, batch_size)
-    compiled, states = bench.compile_variants(
-        {"bare_bf16": variants["bare_bf16"], "jaxamp pinned": variants["jaxamp_mixed_bf16"]}, batch)
-    try:
-        jaxamp.master._PIN_LAYOUT_BACKENDS = frozenset()
-        variants, _ = bench.overhead_variants(cfg, batch_size)
-        more = bench.compile_variants({"jaxamp not pinned": variants["jaxamp_mixed_bf16"]}, batch)
-    finally:
-        jaxamp.master._PIN_LAYOUT_BACKENDS = pinned_backends
-    compiled.update(more[0])
-    states.update(more[1])
-
-    names = list(compiled)
-    total = {n: bench.cost(c)["bytes"] for n, c in compiled.items()}
-    counts = {n: bytes_by_instruction(c) for n, c in compiled.items()}
+def _kinds_table(counts: dict[str, collections.Counter], total: dict[str, float]) -> list[dict]:
+    """Rows of bytes by instruction kind, the kinds that move at least 0.1% of the bare step's
+    bytes first, largest move first, then the totals."""
+    names = list(counts)
     for n in names:
         if abs(sum(counts[n].values()) - total[n]) > 1e-3 * total[n]:
             raise SystemExit(f"{n}: the instruction count gives {sum(counts[n].values())} "
@@ -110,26 +94,47 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     shown = 1e-3 * total["bare_bf16"]  # kinds that move less than 0.1% are left out
     kinds = sorted((k for k in set().union(*counts.values()) if moved(k) >= shown),
                    key=lambda k: -moved(k)) + ["**total**"]
-    rows = [{"instruction kind": kind,
+    return [{"instruction kind": kind,
              **{f"{n} MB": f"{counts_total[n].get(kind, 0) / 1e6:.1f}" for n in names},
              **{f"{n} − bare MB": f"{(counts_total[n].get(kind, 0) - base.get(kind, 0)) / 1e6:+.1f}"
                 for n in names[1:]}} for kind in kinds]
-    print(f"{bench.machine()}; encoder {cfg}, batch {batch_size}\n")
-    print(bench.markdown(rows, list(rows[0])) + "\n")
 
-    times = bench.time_rounds({n: bench.stepper(compiled, states, n, batch) for n in names},
-                              args.rounds)
+
+def _time_table(compiled, states, batch, total: dict[str, float], rounds: int) -> list[dict]:
+    """Rows of each step's time against the bare step's (per-round ratios) and its bytes."""
+    names = list(compiled)
+    times = harness.time_rounds({n: harness.stepper(compiled, states, n, batch) for n in names},
+                                rounds) if rounds else {}
     rows = []
     for n in names:
-        ratio, q25, q75 = bench.paired_ratio(times, n, "bare_bf16")
-        rows.append({"variant": n, "median ms": f"{1e3 * statistics.median(times[n]):.1f}",
-                     "time / bare bf16": f"{ratio:.3f}", "quartiles": f"{q25:.3f}–{q75:.3f}",
-                     "GB accessed": f"{total[n] / 1e9:.3f}",
-                     "bytes / bare bf16": f"{total[n] / total['bare_bf16']:.4f}"})
-    print(f"{args.rounds} interleaved rounds\n")
-    print(bench.markdown(rows, list(rows[0])))
+        row = {"variant": n}
+        if times:
+            ratio, q25, q75 = harness.paired_ratio(times, n, "bare_bf16")
+            row.update({"median ms": f"{1e3 * statistics.median(times[n]):.1f}",
+                        "time / bare bf16": f"{ratio:.3f}", "quartiles": f"{q25:.3f}–{q75:.3f}"})
+        row.update({"GB accessed": f"{total[n] / 1e9:.3f}",
+                    "bytes / bare bf16": f"{total[n] / total['bare_bf16']:.4f}"})
+        rows.append(row)
+    return rows
+
+
+def run(args) -> dict[str, float]:
+    """Prints both tables; returns each step's bytes accessed."""
+    cfg, batch_size = overhead.encoder_config(args.tiny)
+    task = overhead.encoder_task(cfg, batch_size)
+    steps = {
+        "bare_bf16": overhead.plain_variant(task, cast=True),
+        "jaxamp pinned": overhead.jaxamp_variant(task, "mixed_bfloat16", pin_grad_layout=True),
+        "jaxamp not pinned": overhead.jaxamp_variant(task, "mixed_bfloat16",
+                                                     pin_grad_layout=False),
+    }
+    compiled, states = harness.compile_variants(steps, task.batch)
+    total = {n: harness.cost(c)["bytes"] for n, c in compiled.items()}
+    counts = {n: bytes_by_instruction(c) for n, c in compiled.items()}
+    rows = _kinds_table(counts, total)
+    print(f"{harness.machine()}; encoder {cfg}, batch {batch_size}\n")
+    print(harness.markdown(rows, list(rows[0])) + "\n")
+    rows = _time_table(compiled, states, task.batch, total, args.rounds)
+    print(f"{args.rounds} interleaved rounds\n" if args.rounds else "nothing timed (--rounds 0)\n")
+    print(harness.markdown(rows, list(rows[0])))
     return total
-
-
-if __name__ == "__main__":
-    main()

@@ -5,7 +5,7 @@ and the LayerNorms in ``norm_dtype``. The common recipe, LayerNorms in fp32 with
 jmp's ``cast_to_compute``, silently runs every matmul in fp32: each fp32 LayerNorm output
 promotes the next Dense back to fp32. ``jaxamp.audit`` shows it.
 
-    python -m train.flax_encoder     # prints the audits of the three variants
+    python -m train.models.linen_encoder     # prints the audits of the three variants
 """
 
 from __future__ import annotations

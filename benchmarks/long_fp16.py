@@ -1,15 +1,14 @@
-"""A long fp16 run: thousands of steps of an MLP on digits under ``mixed_float16``, with a short
+"""Suite ``long_fp16``: thousands of steps of an MLP on digits under ``mixed_float16``, with a short
 growth interval so that the dynamic loss scale grows into real fp16 overflows and backs off,
 again and again. Reports the skipped steps, the scale's range (it must never reach 0, inf or
 nan) and the final loss against the same run in fp32.
 
-    python -m train.bench_long_fp16                      # 5000 steps, growth every 20
-    python -m train.bench_long_fp16 --steps 600 --growth-interval 10 --json
+    python -m benchmarks long_fp16                      # 5000 steps, growth every 20
+    python -m benchmarks long_fp16 --steps 600 --growth-interval 10 --json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
@@ -23,7 +22,9 @@ from jax import lax
 import jaxamp
 from train import data as data_lib
 
+ROUNDS = None  # one timed run per precision
 HIDDEN = 128
+STEPS, TINY_STEPS = 5000, 200
 
 
 def _init(seed: int) -> dict:
@@ -44,7 +45,7 @@ def loss_fn(params: dict, batch: dict) -> jax.Array:
         _logits(params, batch["x"]), batch["y"]).mean()
 
 
-def run(precision: str, *, steps: int, growth_interval: int, batch_size: int = 64,
+def train_run(precision: str, *, steps: int, growth_interval: int, batch_size: int = 64,
         lr: float = 1e-3, seed: int = 0, chunk: int = 250) -> dict:
     """Trains ``steps`` steps; returns the per-step losses, scales and finite flags, and the
     final state's eval loss and accuracy on the held-out digits."""
@@ -98,9 +99,9 @@ def run(precision: str, *, steps: int, growth_interval: int, batch_size: int = 6
 def report(steps: int = 5000, growth_interval: int = 20, batch_size: int = 64,
            seed: int = 0) -> dict:
     """The fp16 run against the fp32 run, with the same batches."""
-    fp16 = run("mixed_float16", steps=steps, growth_interval=growth_interval,
+    fp16 = train_run("mixed_float16", steps=steps, growth_interval=growth_interval,
                batch_size=batch_size, seed=seed)
-    fp32 = run("float32", steps=steps, growth_interval=growth_interval, batch_size=batch_size,
+    fp32 = train_run("float32", steps=steps, growth_interval=growth_interval, batch_size=batch_size,
                seed=seed)
     scales = np.append(fp16["scales"], fp16["final_scale"])
     change = np.diff(scales)
@@ -122,28 +123,28 @@ def report(steps: int = 5000, growth_interval: int = 20, batch_size: int = 64,
     }
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m train.bench_long_fp16",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5000)
-    ap.add_argument("--growth-interval", type=int, default=20)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    args = ap.parse_args(argv)
-    figures = report(args.steps, args.growth_interval, args.batch_size, args.seed)
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps per run (default {STEPS}; {TINY_STEPS} with --tiny)")
+    parser.add_argument("--growth-interval", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def run(args) -> dict:
+    """Prints the figures (as JSON with ``--json``) and returns them, without the runs."""
+    steps = args.steps or (TINY_STEPS if args.tiny else STEPS)
+    figures = report(steps, args.growth_interval, args.batch_size, args.seed)
     figures.pop("runs")
     if args.json:
         print(json.dumps(figures, indent=2))
-        return
+        return figures
     print(f"jax {jax.__version__}, {platform.processor() or platform.machine()}, "
           f"{jax.devices()[0].platform}")
     print(f"MLP 64-{HIDDEN}-10 on digits, batch {args.batch_size}, adam 1e-3, "
-          f"{args.steps} steps, mixed_float16 with DynamicLossScale(growth_interval="
+          f"{steps} steps, mixed_float16 with DynamicLossScale(growth_interval="
           f"{args.growth_interval}) against float32")
     for key, value in figures.items():
         print(f"  {key:28s} {value:.6g}" if isinstance(value, float) else f"  {key:28s} {value}")
-
-
-if __name__ == "__main__":
-    main()
+    return figures
