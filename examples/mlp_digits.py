@@ -59,7 +59,7 @@ def train(precision: str, steps: int, batch_size: int = 128, seed: int = 0,
     policy = jaxamp.get_policy(precision)
     # A short growth interval so that a few hundred steps show the scale grow and back off.
     loss_scale = jaxamp.DynamicLossScale(growth_interval=50) \
-        if policy.compute_dtype == jnp.float16 else None
+        if policy.needs_loss_scaling else None
     tx = jaxamp.mixed_precision(optax.adam(1e-3), policy, loss_scale=loss_scale)
     state = jaxamp.TrainState.create(params=init_mlp(jax.random.key(seed)), tx=tx)
     step = jax.jit(jaxamp.make_train_step(loss_fn), donate_argnums=0)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -273,7 +272,7 @@ def build_model(config: Config, policy: jaxamp.Policy, meta: dict):
 def _loss_scale(config: Config, policy: jaxamp.Policy):
     kind = config.loss_scale
     if kind == "auto":
-        kind = "dynamic" if policy.compute_dtype == jnp.float16 else "none"
+        kind = "dynamic" if policy.needs_loss_scaling else "none"
     if kind == "dynamic":
         return jaxamp.DynamicLossScale(loss_scale=config.init_scale,
                                        growth_interval=config.growth_interval,
