@@ -535,15 +535,6 @@ def test_accum_steps_below_one_raise(accum_steps):
         jaxamp.make_train_step(mse_loss, accum_steps=accum_steps)
 
 
-def test_shard_batch_that_does_not_divide_raises():
-    with pytest.raises(ValueError, match="8"):
-        jaxamp.shard_batch(make_batch(n=10))
-    with pytest.raises(ValueError, match="8"):
-        jaxamp.put_sharded(make_batch(n=10))
-    sharded = jaxamp.shard_batch(make_batch())
-    assert sharded["x"].shape == (N_DEVICES, BATCH // N_DEVICES, 4)
-
-
 def test_non_scalar_loss_raises():
     step = jax.jit(jaxamp.make_train_step(per_example_loss))
     with pytest.raises(ValueError, match="scalar"):

@@ -22,8 +22,8 @@ N_DEVICES = 8
 
 
 def line_of(fn, offset):
-    """``test_audit.py:N:`` for the line ``offset`` lines below ``fn``'s ``def``."""
-    return f"test_audit.py:{fn.__code__.co_firstlineno + offset}:"
+    """``test_auditing.py:N:`` for the line ``offset`` lines below ``fn``'s ``def``."""
+    return f"test_auditing.py:{fn.__code__.co_firstlineno + offset}:"
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,7 +652,7 @@ def test_train_step_of_a_clean_bfloat16_model_runs_its_matmuls_in_bfloat16():
         assert report.share("bfloat16") == 1.0
         assert report.fp32_matmuls == []
         # The model's matmuls, forward and backward: x @ W0 and h @ W1, then dW1, dh and dW0.
-        model = [s for s in report.matmuls if "test_audit.py" in s.where]
+        model = [s for s in report.matmuls if "test_auditing.py" in s.where]
         assert sum(s.flops for s in model) == (
             2 * 16 * 4 * 8 + 2 * 16 * 8 * 1 + 2 * 16 * 8 * 1 + 2 * 16 * 1 * 8 + 2 * 16 * 4 * 8)
         assert len(model) == 5
