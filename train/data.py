@@ -156,24 +156,19 @@ def load_npz_images(path: str | PathLike[str],
     if not head.startswith(b"PK"):  # every zip file, and so every .npz, starts with "PK"
         raise DataError(f"{name}: is not a .npz archive (a .npz is a zip file, and this is not "
                         f"one); expected {NPZ_EXPECTED}")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except MemoryError:
-        raise
-    except Exception as e:  # zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error, ...
-        raise _corrupt(name, e) from e
-    with archive:
-        image_key = next((k for k in IMAGE_KEYS if k in archive), None)
-        label_key = next((k for k in LABEL_KEYS if k in archive), None)
-        if image_key is None or label_key is None:
-            missing = [f"{what} under one of {', '.join(map(repr, keys))}"
-                       for what, key, keys in (("images", image_key, IMAGE_KEYS),
-                                               ("labels", label_key, LABEL_KEYS)) if key is None]
-            raise DataError(f"{name}: has arrays {sorted(archive.keys())}; expected "
-                            f"{' and '.join(missing)}. Save them with "
-                            "np.savez(path, image=images, label=labels)")
-        images = _read_member(archive, image_key, name)
-        labels = _read_member(archive, label_key, name)
+    # Our own handle, closed on every path: numpy leaves a member's file to the garbage collector
+    # when reading it raises (an object array), which would warn about an unclosed file.
+    with open(path, "rb") as fid:
+        try:
+            archive = np.load(fid, allow_pickle=False)
+        except MemoryError:
+            raise
+        except Exception as e:  # zipfile.BadZipFile, EOFError, OSError, ValueError, zlib.error
+            raise _corrupt(name, e) from e
+        with archive:
+            image_key, label_key = _npz_keys(archive, name)
+            images = _read_member(archive, image_key, name)
+            labels = _read_member(archive, label_key, name)
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4:
@@ -268,6 +263,20 @@ def _read_member(archive: Any, key: str, name: str) -> np.ndarray:
                         "label=np.asarray(labels, np.int64))") from None
     except Exception as e:  # zipfile.BadZipFile (a bad CRC), zlib.error, EOFError, ...
         raise _corrupt(name, e) from e
+
+
+def _npz_keys(archive: Any, name: str) -> tuple[str, str]:
+    """The archive's image and label keys, or a `DataError` naming what is missing."""
+    image_key = next((k for k in IMAGE_KEYS if k in archive), None)
+    label_key = next((k for k in LABEL_KEYS if k in archive), None)
+    if image_key is None or label_key is None:
+        missing = [f"{what} under one of {', '.join(map(repr, keys))}"
+                   for what, key, keys in (("images", image_key, IMAGE_KEYS),
+                                           ("labels", label_key, LABEL_KEYS)) if key is None]
+        raise DataError(f"{name}: has arrays {sorted(archive.keys())}; expected "
+                        f"{' and '.join(missing)}. Save them with "
+                        "np.savez(path, image=images, label=labels)")
+    return image_key, label_key
 
 
 def _corrupt(name: str, e: BaseException) -> DataError:
