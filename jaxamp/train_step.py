@@ -39,6 +39,7 @@ from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
 from jaxamp._tree import is_inexact_array
 from jaxamp._tree import select
+from jaxamp.autocast import autocast as _autocast
 from jaxamp.gradients import grad_stats
 from jaxamp.master_weights import MixedPrecisionState
 from jaxamp.master_weights import find_state
@@ -147,6 +148,7 @@ class _StepConfig:
     reduce_dtype: Any
     warn_fp32_matmuls: bool
     sync_model_state: bool
+    autocast: bool
 
 
 def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
@@ -176,6 +178,7 @@ def make_train_step(
     reduce_dtype: DTypeLike = jnp.float32,
     warn_fp32_matmuls: bool = True,
     sync_model_state: bool = True,
+    autocast: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
@@ -202,6 +205,9 @@ def make_train_step(
         replicas stay identical. Integer leaves are kept per device.
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
         in fp32 (a promotion by an fp32 param or activation). The check never raises.
+      autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
+        matmuls in the compute dtype and precision-sensitive ops in fp32, for a model written
+        in fp32 with no ``dtype=`` anywhere.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
@@ -229,7 +235,7 @@ def make_train_step(
     reduce_dtype = jnp.dtype(reduce_dtype)
     _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name)
     config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
-                         reduce_dtype, warn_fp32_matmuls, sync_model_state)
+                         reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast))
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return _step(config, state, batch)
@@ -294,13 +300,15 @@ def _step_rng(config: _StepConfig, state: TrainState):
 
 def _micro_batch(config: _StepConfig, state: TrainState, scale, model_state, batch, rng):
     """``(loss, grads of loss * scale, new model state, aux)`` of one micro-batch."""
+    loss_fn = _autocast(config.loss_fn, state.policy) if config.autocast else config.loss_fn
+
     def scaled(params):
         kwargs = {}
         if config.has_model_state:
             kwargs["model_state"] = model_state
         if config.has_rng:
             kwargs["rng"] = rng
-        loss, new_model_state, aux = split_outputs(config.loss_fn(params, batch, **kwargs),
+        loss, new_model_state, aux = split_outputs(loss_fn(params, batch, **kwargs),
                                                    config.has_aux, config.has_model_state)
         loss = check_loss(loss)
         return loss * scale, (loss, new_model_state, aux)

@@ -1,0 +1,387 @@
+"""Op-level automatic mixed precision: :func:`autocast`, the counterpart of ``torch.autocast``.
+
+``autocast(fn, policy)`` returns a function with ``fn``'s signature. Called, it traces ``fn`` to a
+jaxpr and evaluates that jaxpr again, equation by equation, under per-primitive dtype rules, with
+the rules' casts inserted. The result is an ordinary JAX function: it works under ``jax.grad``,
+``jit``, ``vmap``, ``pmap`` and ``shard_map``, and costs nothing at run time beyond its casts.
+
+The rules follow PyTorch's CUDA autocast lists (``aten/src/ATen/autocast_mode.cpp``):
+
+==============  ==========================================================================
+rule            primitives
+==============  ==========================================================================
+``compute``     ``dot_general``, ``conv_general_dilated``, ``ragged_dot``: operands cast to
+                the compute dtype, and the output too (``preferred_element_type``), so that
+                the backward pass's transposed matmuls meet a half-precision cotangent and
+                run in half precision as well. Accumulation is fp32 inside the kernel where
+                the backend does that (cuBLAS, cuDNN, XLA:CPU).
+``float32``     exp, exp2, log, log1p, expm1, logistic, erf, erfc, erf_inv, pow, rsqrt,
+                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, and the
+                reductions ``reduce_sum`` and ``reduce_prod`` behind softmax, logsumexp,
+                normalization statistics and losses: floating inputs cast to fp32. Also
+                ``reduce_max``/``reduce_min`` (exact in any dtype), so that the sums in their
+                derivatives run in fp32 too.
+``promote``     everything else (add, mul, max, select_n, concatenate, reshapes, ...): the
+                floating inputs are cast to the widest of them; a weakly typed constant
+                (``x * 0.5``) adopts the others' dtype. A single-input op follows its input.
+``original``    the dtypes ``fn`` was traced with: inside :func:`full_precision`, and for
+                ``custom_vjp`` functions, ``shard_map`` and ``pmap`` bodies and callbacks,
+                whose rules were written for those dtypes.
+==============  ==========================================================================
+
+Integer, boolean and PRNG-key values are never touched. Casts that ``fn`` itself makes
+(``x.astype(jnp.float32)``, JAX's own promotions) are kept, as ``torch.autocast`` keeps them.
+As in torch, an fp32 op returns fp32, which the next matmul casts back to the compute dtype;
+what ``fn`` returns is cast to ``policy.output_dtype``.
+
+Nested jaxprs are entered: ``jit``/``pjit`` and ``closed_call`` inline, ``remat``/``checkpoint``
+(re-wrapped with its policy), ``scan`` and ``while`` (the carry keeps the dtype of its initial
+value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dtype), and
+``custom_jvp`` functions (``jax.nn.relu``, ``softplus``, ``softmax``): their primal body is
+evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
+be kept for a bf16 body.
+
+Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
+or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
+region that runs exactly as written (torch's ``autocast(enabled=False)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import source_info_util
+
+from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import nested_stack
+from jaxamp.policy import get_policy
+
+__all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
+
+_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+_FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "pow",
+            "rsqrt", "sqrt", "cbrt", "tan", "lgamma", "digamma", "cumsum", "cumprod",
+            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min")
+# Primitives whose rules were written for the dtypes they were traced with.
+_ORIGINAL = ("custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "xla_pmap", "pmap",
+             "debug_callback", "pure_callback", "io_callback", "custom_transpose_call",
+             "custom_lin")
+
+DEFAULT_RULES: Mapping[str, str] = {
+    **{name: "compute" for name in _MATMULS},
+    **{name: "float32" for name in _FLOAT32},
+    **{name: "original" for name in _ORIGINAL},
+}
+"""The rule of every primitive that does not ``promote``: see the module docstring."""
+
+_RULE_NAMES = ("compute", "float32", "promote", "original")
+_FULL_PRECISION = "jaxamp_full_precision"
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr"}
+_REMAT = ("remat2", "checkpoint", "remat")
+
+
+# --------------------------------------------------------------------------------------------
+# The public functions
+# --------------------------------------------------------------------------------------------
+
+def full_precision(fn: Callable) -> Callable:
+    """Marks ``fn`` as a region that :func:`autocast` leaves exactly as written.
+
+    The counterpart of ``torch.autocast(enabled=False)``: every op inside runs in the dtypes
+    ``fn`` was traced with. Outside autocast it is ``fn`` itself (under a name scope).
+
+    >>> import jax.numpy as jnp
+    >>> def f(x, w):
+    ...     return full_precision(lambda a, b: a @ b)(x, w)
+    >>> autocast(f)(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype  # the matmul stays in fp32
+    dtype('float32')
+    """
+    if not callable(fn):
+        raise TypeError(f"full_precision needs a callable, got {type(fn).__name__} {fn!r}")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope(_FULL_PRECISION):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
+             rules: Mapping[str, str] | None = None,
+             fp32_scopes: Sequence[str] = ()) -> Callable:
+    """Runs ``fn`` under per-op dtype rules: matmuls in the compute dtype, precision-sensitive
+    ops in fp32 (see the module docstring for the lists).
+
+    Args:
+      fn: any JAX-traceable function: a jnp function, an NNX module call, a Linen ``apply``,
+        an Equinox model. Array arguments (anything with a shape and a dtype) are traced; the
+        others (Python numbers, strings, flags) are passed through as static values.
+      policy: anything :func:`jaxamp.get_policy` accepts; its ``compute_dtype`` is the matmul
+        dtype and ``output_dtype`` the dtype of what ``fn`` returns.
+      rules: per-primitive overrides, ``{"exp": "compute"}``; a rule is one of ``compute``,
+        ``float32``, ``promote`` or ``original``.
+      fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
+        run in fp32, matmuls included.
+
+    Returns:
+      A function with ``fn``'s signature.
+
+    >>> import jax, jax.numpy as jnp
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.exp(x @ w))
+    >>> w, x = jnp.ones((4, 2)) * 0.1, jnp.ones((8, 4))
+    >>> jaxpr = jax.make_jaxpr(autocast(loss))(w, x)
+    >>> [str(e.outvars[0].aval) for e in jaxpr.eqns if e.primitive.name in ("dot_general", "exp")]
+    ['bfloat16[8,2]', 'float32[8,2]']
+    >>> round(float(autocast(loss)(w, x)), 2), autocast(loss)(w, x).dtype
+    (1.49, dtype('float32'))
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast needs a callable fn, got {type(fn).__name__} {fn!r}; pass the "
+                        "function to run in mixed precision, e.g. autocast(loss_fn, policy)")
+    policy = get_policy(policy)
+    if not jnp.issubdtype(policy.compute_dtype, jnp.floating):
+        raise TypeError(f"autocast needs a floating compute dtype, got {policy.compute_dtype}")
+    context = _Context(policy.compute_dtype, _check_rules(rules), _check_scopes(fp32_scopes))
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        traced = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+        def flat_fn(*arrays):
+            full = list(leaves)
+            for i, x in zip(traced, arrays, strict=True):
+                full[i] = x
+            a, k = jax.tree.unflatten(treedef, full)
+            return fn(*a, **k)
+
+        arrays = [leaves[i] for i in traced]
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        outs = _evaluate(context, closed.jaxpr, list(closed.consts), arrays, "")
+        outs = [_cast(x, policy.output_dtype) for x in outs]
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    return wrapped
+
+
+def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:
+    if rules is None:
+        return DEFAULT_RULES
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a dict from primitive name to rule, got "
+                        f"{type(rules).__name__} {rules!r}; for example {{'exp': 'compute'}}")
+    for name, rule in rules.items():
+        if rule not in _RULE_NAMES:
+            raise ValueError(f"unknown autocast rule {rule!r} for primitive {name!r}; expected "
+                             f"one of {', '.join(_RULE_NAMES)}")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+            raise ValueError(f"rules keys are primitive names such as 'exp' or 'dot_general', "
+                             f"got {name!r}")
+    return {**DEFAULT_RULES, **rules}
+
+
+def _check_scopes(scopes: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(scopes, str):
+        scopes = (scopes,)
+    out = tuple(scopes)
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise TypeError(f"fp32_scopes must be non-empty name scopes (strings), got {s!r}; "
+                            "for example fp32_scopes=('head',)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The interpreter
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    compute: Any
+    rules: Mapping[str, str]
+    fp32_scopes: tuple[str, ...]
+
+    def rule(self, eqn: Any, stack: str) -> str:
+        if _FULL_PRECISION in stack:
+            return "original"
+        if self.fp32_scopes and _in_scopes(stack, self.fp32_scopes):
+            return "float32!"  # every op, matmuls included
+        return self.rules.get(eqn.primitive.name, "promote")
+
+
+def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
+    parts = [p for p in re.split(r"[()/]", stack) if p]
+    joined = "/".join(parts)
+    return any(s in parts or f"/{s}/" in f"/{joined}/" for s in scopes)
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _is_float(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if _is_float(x) and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str) -> list:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        # The new equations keep the user's source line and name scope, as eval_jaxpr does.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+              eqn.ctx.manager):
+            outs = _equation(ctx, eqn, [read(v) for v in eqn.invars], outer)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _body(ctx: _Context, closed: Any, stack: str) -> Callable:
+    """A closed (or open) jaxpr as a function evaluated under the rules."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    consts = list(getattr(closed, "consts", ()))
+    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack)
+
+
+def _equation(ctx: _Context, eqn: Any, invals: list, outer: str) -> list:
+    name = eqn.primitive.name
+    stack = nested_stack(eqn, outer)
+    rule = ctx.rule(eqn, stack)
+    if rule != "original":
+        if name in _INLINE and _INLINE[name] in eqn.params:
+            return _body(ctx, eqn.params[_INLINE[name]], stack)(*invals)
+        if name in _REMAT:
+            fn = _body(ctx, eqn.params["jaxpr"], stack)
+            return jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
+                                  policy=eqn.params.get("policy"))(*invals)
+        if name == "custom_jvp_call":
+            return _body(ctx, eqn.params["call_jaxpr"], stack)(*invals)
+        if name == "scan":
+            return _scan(ctx, eqn, invals, stack)
+        if name == "while":
+            return _while(ctx, eqn, invals, stack)
+        if name == "cond":
+            return _cond(ctx, eqn, invals, stack)
+    return _bind(eqn, _cast_inputs(ctx, eqn, invals, rule), rule, ctx)
+
+
+def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str) -> list:
+    if rule == "original":
+        return [_cast(x, v.aval.dtype) if _is_float(x) else x
+                for x, v in zip(invals, eqn.invars, strict=True)]
+    if rule == "compute":
+        return [_cast(x, ctx.compute) for x in invals]
+    if rule in ("float32", "float32!"):
+        return [_cast(x, jnp.float32) for x in invals]
+    # promote: the widest floating input, weakly typed constants aside.
+    strong = [jnp.dtype(x.dtype) for x, v in zip(invals, eqn.invars, strict=True)
+              if _is_float(x) and not _is_weak(v)]
+    floats = strong or [jnp.dtype(x.dtype) for x in invals if _is_float(x)]
+    if len(set(floats)) <= 1 and (not floats or all(
+            not _is_float(x) or jnp.dtype(x.dtype) == floats[0] for x in invals)):
+        return invals
+    target = functools.reduce(_wider, floats)
+    return [_cast(x, target) for x in invals]
+
+
+def _is_weak(v: Any) -> bool:
+    """A weakly typed value, or a scalar constant inlined in the jaxpr (a Python number in
+    ``fn``; jaxprs keep no weak type on literals): it adopts the other operands' dtype."""
+    if getattr(v.aval, "weak_type", False):
+        return True
+    return isinstance(v, Literal) and getattr(v.aval, "shape", None) == ()
+
+
+def _wider(a: Any, b: Any) -> Any:
+    if a == b:
+        return a
+    if jnp.finfo(a).bits != jnp.finfo(b).bits:
+        return a if jnp.finfo(a).bits > jnp.finfo(b).bits else b
+    return jnp.dtype(jnp.float32)  # bf16 and f16: neither holds the other
+
+
+def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
+    params = dict(eqn.params)
+    if "preferred_element_type" in params and any(_is_float(x) for x in invals):
+        if rule == "compute":
+            params["preferred_element_type"] = jnp.dtype(ctx.compute)
+        elif rule == "float32!":
+            params["preferred_element_type"] = jnp.dtype(jnp.float32)
+        elif rule == "promote" and params["preferred_element_type"] is not None:
+            float_in = [jnp.dtype(x.dtype) for x in invals if _is_float(x)]
+            params["preferred_element_type"] = functools.reduce(_wider, float_in)
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+# --------------------------------------------------------------------------------------------
+# Control flow: the carry keeps its dtype, branches agree
+# --------------------------------------------------------------------------------------------
+
+def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
+    return [_cast(x, y.dtype) if _is_float(y) else x for x, y in zip(values, like, strict=True)]
+
+
+def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
+        invals[n_consts + n_carry:]
+    body = _body(ctx, p["jaxpr"], stack)
+
+    def step(carry, x):
+        outs = body(*consts, *carry, *x)
+        return _cast_like(outs[:n_carry], init), outs[n_carry:]
+
+    length = p["length"]
+    carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
+                         unroll=p.get("unroll", 1))
+    return [*carry, *ys]
+
+
+def _while(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+    cond, body = _body(ctx, p["cond_jaxpr"], stack), _body(ctx, p["body_jaxpr"], stack)
+    return lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
+                          lambda c: _cast_like(body(*body_consts, *c), init), list(init))
+
+
+def _cond(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
+    index, operands = invals[0], invals[1:]
+    branches = [_body(ctx, b, stack) for b in eqn.params["branches"]]
+    shapes = [jax.eval_shape(b, *operands) for b in branches]
+    dtypes = [functools.reduce(_wider, [jnp.dtype(s[i].dtype) for s in shapes])
+              if _is_float(shapes[0][i]) else None for i in range(len(shapes[0]))]
+
+    def agreeing(branch):
+        return lambda *ops: [x if d is None else _cast(x, d)
+                             for x, d in zip(branch(*ops), dtypes, strict=True)]
+    return lax.switch(index, [agreeing(b) for b in branches], *operands)
+

@@ -1,0 +1,393 @@
+"""Tests of jaxamp.autocast: per-op dtype rules on any unmodified JAX, Flax or Equinox model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import init_params
+from helpers import make_batch
+from helpers import mse_loss
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+from jaxamp import _jaxpr
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def eqns(fn, *args):
+    """Every equation of ``fn``'s jaxpr, nested ones included."""
+    return [e for e, _ in _jaxpr.walk(jax.make_jaxpr(fn)(*args))]
+
+
+def operand_dtypes(fn, *args, names=MATMULS):
+    return {(e.primitive.name, jnp.dtype(v.aval.dtype).name)
+            for e in eqns(fn, *args) if e.primitive.name in names
+            for v in e.invars if hasattr(v.aval, "dtype")}
+
+
+def matmul_dtypes(fn, *args):
+    return {d for _, d in operand_dtypes(fn, *args)}
+
+
+def grad_of(fn, argnums=0):
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(F32)), argnums=argnums)
+
+
+W = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)) * 0.3, F32)
+X = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16)), F32)
+
+
+# --------------------------------------------------------------------------------------------
+# The rules, op by op, forward and backward
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compute", ["mixed_bfloat16", "mixed_float16"])
+def test_matmuls_run_in_the_compute_dtype_forward_and_backward(compute):
+    half = jaxamp.get_policy(compute).compute_dtype.name
+
+    def f(w, x):
+        return jnp.tanh(x @ w) @ w.T
+
+    ac = jaxamp.autocast(f, compute)
+    assert matmul_dtypes(ac, W, X) == {half}
+    # The gradient's transposed matmuls meet a half-precision cotangent: half too.
+    assert matmul_dtypes(grad_of(ac, (0, 1)), W, X) == {half}
+    assert ac(W, X).dtype == F32  # what fn returns: the policy's output dtype
+
+
+def test_precision_sensitive_ops_run_in_fp32_on_half_inputs():
+    def f(w, x):
+        h = x @ w                       # bf16 under autocast
+        z = jnp.exp(h) + jnp.log1p(jnp.abs(h)) + jax.nn.sigmoid(h) + jnp.sqrt(jnp.abs(h))
+        return jnp.sum(jax.nn.log_softmax(z, axis=-1) + lax.rsqrt(1.0 + h * h))
+
+    ac = jaxamp.autocast(f)
+    names = ("exp", "log", "log1p", "logistic", "sqrt", "rsqrt", "reduce_sum")
+    found = operand_dtypes(ac, W, X, names=names)
+    assert {n for n, _ in found} == set(names)
+    assert {d for _, d in found} == {"float32"}
+    found = operand_dtypes(grad_of(ac), W, X, names=names)
+    assert {d for _, d in found} == {"float32"}
+    # The audit lists no precision-sensitive op in half precision.
+    assert jaxamp.audit_grad(ac, W, X).half_sensitive_ops == []
+
+
+def test_integers_booleans_and_keys_are_never_touched():
+    def f(w, x, labels, key):
+        logits = x @ w
+        noise = jax.random.normal(key, logits.shape)
+        keep = labels[:, None] > 2
+        return jnp.sum(jnp.where(keep, logits + noise, 0.0)) + jnp.sum(labels)
+
+    labels = jnp.arange(4, dtype=jnp.int32)
+    ac = jaxamp.autocast(f)
+    jaxpr = jax.make_jaxpr(ac)(W, X, labels, jax.random.key(0))
+    ints = [e for e, _ in _jaxpr.walk(jaxpr) if e.primitive.name == "reduce_sum"
+            and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer)]
+    assert ints and all(e.invars[0].aval.dtype == jnp.int32 for e in ints)
+    np.testing.assert_allclose(ac(W, X, labels, jax.random.key(0)),
+                               f(W, X, labels, jax.random.key(0)), rtol=2e-2)
+
+
+def test_weak_constants_follow_and_widest_input_wins():
+    def f(w, x):
+        h = x @ w                       # bf16
+        return (h * 0.5 + 1.0, h + jnp.ones((4, 8), F32))   # weak: bf16; fp32 operand: fp32
+
+    weak, strong = jaxamp.autocast(f, jaxamp.get_policy("p=f32,c=bf16,o=bf16"))(W, X)
+    assert weak.dtype == BF16 and strong.dtype == BF16  # outputs cast to output_dtype
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"))(W, X)
+    adds = [e for e in jaxpr.eqns if e.primitive.name == "add"]
+    assert [jnp.dtype(e.outvars[0].aval.dtype).name for e in adds] == ["bfloat16", "float32"]
+
+
+# --------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------
+
+def test_per_primitive_rules_override_the_defaults():
+    def f(w, x):
+        return jnp.sum(jnp.exp(x @ w))
+    ac = jaxamp.autocast(f, rules={"exp": "compute", "dot_general": "float32"})
+    assert operand_dtypes(ac, W, X, names=("exp", "dot_general")) == {
+        ("exp", "bfloat16"), ("dot_general", "float32")}
+
+
+def test_fp32_scopes_and_full_precision_regions():
+    def f(w, x):
+        with jax.named_scope("body"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("head"):
+            out = h @ w.T
+        return out
+
+    ac = jaxamp.autocast(f, fp32_scopes=("head",))
+    sites = {(_jaxpr.scope(e), jnp.dtype(e.invars[0].aval.dtype).name)
+             for e in eqns(ac, W, X) if e.primitive.name == "dot_general"}
+    assert sites == {("body", "bfloat16"), ("head", "float32")}
+
+    def g(w, x):
+        return jaxamp.full_precision(lambda a, b: a @ b)(x, w) + jnp.tanh(x @ w)
+    assert matmul_dtypes(jaxamp.autocast(g), W, X) == {"float32", "bfloat16"}
+
+
+# --------------------------------------------------------------------------------------------
+# Nested jaxprs
+# --------------------------------------------------------------------------------------------
+
+def test_jit_remat_custom_jvp_inside_are_entered():
+    @jax.jit
+    def inner(w, x):
+        return jax.nn.relu(x @ w)        # relu is a custom_jvp
+
+    def f(w, x):
+        h = jax.checkpoint(inner)(w, x)
+        return jax.nn.softmax(h @ w.T, axis=-1)
+
+    ac = jaxamp.autocast(f)
+    assert matmul_dtypes(ac, W, X) == {"bfloat16"}
+    assert matmul_dtypes(grad_of(ac), W, X) == {"bfloat16"}
+    assert any(e.primitive.name in ("remat2", "checkpoint") for e in eqns(ac, W, X))
+    np.testing.assert_allclose(ac(W, X), f(W, X), atol=2e-2)
+
+
+def test_a_scan_over_layers_keeps_its_fp32_carry_and_runs_bf16_matmuls():
+    ws = jnp.stack([jnp.eye(16) * 0.9] * 3)
+
+    def f(ws, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w) + h, None
+        h, _ = lax.scan(layer, x, ws)   # the carry starts in fp32
+        return h
+
+    ac = jaxamp.autocast(f)
+    jaxpr = jax.make_jaxpr(ac)(ws, X)
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    carry = scan.outvars[0].aval
+    assert carry.dtype == F32  # invariant: the carry keeps its initial dtype
+    assert matmul_dtypes(ac, ws, X) == {"bfloat16"}
+    assert matmul_dtypes(grad_of(ac), ws, X) == {"bfloat16"}
+    np.testing.assert_allclose(ac(ws, X), f(ws, X), atol=5e-2)
+
+
+def test_while_and_cond_agree_on_dtypes():
+    def f(w, x):
+        h = x @ w
+        h = lax.cond(jnp.sum(h) > 0, lambda t: t * 2.0, lambda t: t.astype(F32) - 1.0, h)
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5),
+                              (jnp.int32(0), h))[1]
+
+    out = jaxamp.autocast(f, "p=f32,c=bf16,o=bf16")(W, X)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(np.asarray(out, np.float32), f(W, X), atol=5e-2)
+
+
+def test_a_user_custom_vjp_runs_in_the_dtypes_it_was_written_for():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, g):
+        assert g.dtype == F32, g.dtype   # written for fp32: it gets fp32
+        return (jnp.clip(g, -0.1, 0.1),)
+    clip_grad.defvjp(fwd, bwd)
+
+    def f(w, x):
+        return jnp.sum(clip_grad(x @ w) ** 2)
+
+    g = jax.grad(jaxamp.autocast(f))(W, X)
+    ref = jax.grad(f)(W, X)
+    np.testing.assert_allclose(g, ref, rtol=5e-2, atol=1e-2)
+
+
+def test_effects_pass_through(capsys):
+    def f(w, x):
+        h = x @ w
+        jax.debug.print("mean {m}", m=jnp.mean(h))
+        return h
+    jax.block_until_ready(jaxamp.autocast(f)(W, X))
+    assert "mean" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# Users' models, as users write them: fp32 layers, no dtype=
+# --------------------------------------------------------------------------------------------
+
+class _Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class NnxGpt(nnx.Module):
+    """nnx.Embed, nnx.MultiHeadAttention with nnx.make_causal_mask, nnx.LayerNorm, nnx.Linear."""
+
+    def __init__(self, vocab=64, d=32, depth=2, rngs=None):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([_Block(d, rngs) for _ in range(depth)])
+        self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens_BxL):
+        x = self.embed(tokens_BxL)
+        mask = nnx.make_causal_mask(tokens_BxL)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln(x))
+
+
+def _gpt_loss():
+    graphdef, params = nnx.split(NnxGpt(rngs=nnx.Rngs(0)), nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17)), jnp.int32)
+
+    def loss_fn(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(F32), batch["tokens"][:, 1:]).mean()
+    return loss_fn, params, {"tokens": tokens}
+
+
+def _linen_encoder_loss():
+    from train.models.linen_encoder import variants
+    name, loss, params, tokens = variants(vocab=64, width=32, depth=1, heads=2, mlp=64, batch=2,
+                                          seq_len=8)[0]  # fp32
+    return loss, params, tokens
+
+
+def _equinox_loss():
+    import equinox as eqx
+    model = eqx.nn.MLP(in_size=4, out_size=1, width_size=32, depth=2, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss_fn(params, batch):
+        pred = jax.vmap(eqx.combine(params, static))(batch["x"])[:, 0]
+        return jnp.mean((pred - batch["y"]) ** 2)
+    return loss_fn, params, make_batch()
+
+
+def _linen_resnet_loss():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.Conv(8, (3, 3))(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+            x = nn.Conv(8, (3, 3), strides=2)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+            return nn.Dense(10)(x.mean((1, 2)))
+
+    net = Net()
+    x = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
+    variables = net.init(jax.random.key(0), x)
+
+    def loss_fn(params, batch):
+        logits, _ = net.apply({"params": params, "batch_stats": variables["batch_stats"]},
+                              batch["x"], mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss_fn, variables["params"], {"x": x, "y": jnp.arange(4) % 10}
+
+
+MODELS = {"nnx_gpt": _gpt_loss, "linen_encoder": _linen_encoder_loss,
+          "equinox_mlp": _equinox_loss, "linen_resnet_bn": _linen_resnet_loss}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads(name):
+    loss_fn, params, batch = MODELS[name]()
+    before = jaxamp.audit_grad(loss_fn, jaxamp.get_policy("mixed_bfloat16")
+                               .cast_params_to_compute(params), batch)
+    ac = jaxamp.autocast(loss_fn)
+    report = jaxamp.audit_grad(ac, params, batch)
+    assert report.share("bfloat16") >= 0.99 > before.share("bfloat16")
+    assert report.half_sensitive_ops == []
+    np.testing.assert_allclose(float(ac(params, batch)), float(loss_fn(params, batch)),
+                               rtol=3e-2)
+    g32, gac = jax.grad(loss_fn)(params, batch), jax.grad(ac)(params, batch)
+    num = sum(float(jnp.sum((a.astype(F32) - b) ** 2)) for a, b in
+              zip(jax.tree.leaves(gac), jax.tree.leaves(g32), strict=True))
+    den = sum(float(jnp.sum(b ** 2)) for b in jax.tree.leaves(g32))
+    assert (num / den) ** 0.5 < 0.05  # relative error of the whole gradient
+
+
+def test_make_train_step_autocast_trains_the_nnx_gpt_in_bf16():
+    loss_fn, params, batch = _gpt_loss()
+    tx = jaxamp.mixed_precision(optax.adam(3e-3), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
+    with pytest.warns(UserWarning, match="run in float32"):   # without autocast: the trap
+        jax.jit(jaxamp.make_train_step(loss_fn)).lower(state, batch)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # with autocast: no fp32 matmul left to warn about
+        losses = []
+        for _ in range(15):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+    assert losses[-1] < 0.7 * losses[0]
+    report = jaxamp.audit(step, state, batch)
+    assert report.share("bfloat16") >= 0.99
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel layouts
+# --------------------------------------------------------------------------------------------
+
+def test_pmap_and_an_8_way_sharded_jit_equal_one_device():
+    ac = jaxamp.autocast(mse_loss)
+    params, batch = init_params(), make_batch()
+    one = jax.grad(ac)(params, batch)
+    pmapped = jax.pmap(lambda p, b: lax.pmean(jax.grad(ac)(p, b), "d"), axis_name="d")(
+        jaxamp.replicate(params), jaxamp.shard_batch(batch))
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    sharded = jax.jit(jax.grad(ac))(jax.device_put(params, NamedSharding(mesh, P())),
+                                    jaxamp.put_sharded(batch, NamedSharding(mesh, P("batch"))))
+    for a, b, c in zip(jax.tree.leaves(one), jax.tree.leaves(jaxamp.unreplicate(pmapped)),
+                       jax.tree.leaves(sharded), strict=True):
+        # bf16 matmuls over 8 shards round their partial sums differently: 1% of the scale.
+        tol = 1e-2 * float(jnp.max(jnp.abs(a)))
+        np.testing.assert_allclose(b, a, atol=tol)
+        np.testing.assert_allclose(c, a, atol=tol)
+
+
+def test_vmap_of_an_autocast_function():
+    ac = jaxamp.autocast(lambda w, x: x @ w)
+    out = jax.vmap(ac, in_axes=(None, 0))(W, jnp.stack([X, 2 * X]))
+    assert out.shape == (2, 4, 8) and out.dtype == F32
+    np.testing.assert_allclose(out[1], 2 * (X @ W), rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: jaxamp.autocast(3), TypeError, ["autocast needs a callable fn", "int"]),
+    (lambda: jaxamp.autocast(jnp.sin, rules={"exp": "fp8"}), ValueError,
+     ["unknown autocast rule 'fp8'", "'exp'", "compute, float32, promote, original"]),
+    (lambda: jaxamp.autocast(jnp.sin, rules={"Exp!": "compute"}), ValueError,
+     ["primitive names", "'Exp!'"]),
+    (lambda: jaxamp.autocast(jnp.sin, rules=["exp"]), TypeError, ["rules must be a dict"]),
+    (lambda: jaxamp.autocast(jnp.sin, "p=f32,c=i32"), ValueError, ["unknown compute dtype"]),
+    (lambda: jaxamp.autocast(jnp.sin, fp32_scopes=("",)), TypeError, ["fp32_scopes"]),
+    (lambda: jaxamp.full_precision(None), TypeError, ["full_precision needs a callable"]),
+])
+def test_bad_input_is_a_clear_error(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
