@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import benchmarks
+from benchmarks import autocast
 from benchmarks import cpu_dtypes
 from benchmarks import cpu_flags
 from benchmarks import gpu
@@ -18,7 +19,8 @@ from benchmarks import overhead
 from benchmarks import torch_amp
 
 SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
-          "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16}
+          "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
+          "autocast": autocast}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 
 

@@ -11,10 +11,13 @@ One module per concept:
   and the functions that find its state;
 * ``gradients``: one pass over the gradients (finite check, norm, the first bad leaf);
 * ``train_step``: :class:`TrainState` and :func:`make_train_step`;
+* ``ops``: fp32 norms, softmaxes, GELU and the loss that save half-precision tensors for
+  the backward pass, for hand-built models (reached as ``jaxamp.ops.layer_norm``);
 * ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``;
 * ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
 """
 
+from jaxamp import ops
 from jaxamp._tree import tree_path_str
 from jaxamp.auditing import AuditReport
 from jaxamp.auditing import audit
@@ -76,6 +79,7 @@ __all__ = (
     "make_train_step",
     "mixed_precision",
     "nonfinite_leaf_path",
+    "ops",
     "policy_of",
     "put_sharded",
     "replicate",

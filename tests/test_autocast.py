@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
@@ -223,41 +222,10 @@ def test_effects_pass_through(capsys):
 # Users' models, as users write them: fp32 layers, no dtype=
 # --------------------------------------------------------------------------------------------
 
-class _Block(nnx.Module):
-    def __init__(self, d, rngs):
-        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False, rngs=rngs)
-        self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
-
-    def __call__(self, x, mask):
-        x = x + self.attn(self.ln1(x), mask=mask)
-        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
-
-
-class NnxGpt(nnx.Module):
-    """nnx.Embed, nnx.MultiHeadAttention with nnx.make_causal_mask, nnx.LayerNorm, nnx.Linear."""
-
-    def __init__(self, vocab=64, d=32, depth=2, rngs=None):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([_Block(d, rngs) for _ in range(depth)])
-        self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
-
-    def __call__(self, tokens_BxL):
-        x = self.embed(tokens_BxL)
-        mask = nnx.make_causal_mask(tokens_BxL)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.head(self.ln(x))
-
-
 def _gpt_loss():
-    graphdef, params = nnx.split(NnxGpt(rngs=nnx.Rngs(0)), nnx.Param)
+    from train.models import nnx_gpt
+    loss_fn, params = nnx_gpt.loss_and_params(vocab=64, width=32, depth=2, heads=2)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17)), jnp.int32)
-
-    def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(F32), batch["tokens"][:, 1:]).mean()
     return loss_fn, params, {"tokens": tokens}
 
 

@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx
 
 import jaxamp
+from jaxamp.ops import softmax_cross_entropy
 from train.models.layers import F32
-from train.models.layers import softmax_cross_entropy
 from train.models.resnet import CONFIGS as RESNET_CONFIGS
 from train.models.resnet import ResNet
 from train.models.resnet import ResNetConfig

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxamp.ops import attention_softmax
+from jaxamp.ops import bias_add
+from jaxamp.ops import gelu
 from train.models.layers import F32
 from train.models.layers import Dense
 from train.models.layers import Embed
 from train.models.layers import LayerNorm
-from train.models.layers import attention_softmax
-from train.models.layers import bias_add
-from train.models.layers import gelu
 
 
 @dataclasses.dataclass(frozen=True)

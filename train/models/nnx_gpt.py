@@ -1,0 +1,57 @@
+"""A small GPT written as a user writes it: flax NNX's layers with their defaults.
+
+``nnx.Embed``, ``nnx.MultiHeadAttention`` with ``nnx.make_causal_mask``, ``nnx.LayerNorm`` and
+``nnx.Linear``: fp32 params and no ``dtype=`` anywhere. Casting its params to bf16 does not make it
+compute in bf16 (the causal mask and the norms promote the matmuls back to fp32);
+``jaxamp.autocast`` does. Used by the autocast tests and ``python -m benchmarks autocast``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+class Block(nnx.Module):
+    def __init__(self, width: int, heads: int, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=width, decode=False,
+                                           rngs=rngs)
+        self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+        self.fc1 = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.fc2 = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x_BxLxD, mask):
+        x_BxLxD = x_BxLxD + self.attn(self.ln1(x_BxLxD), mask=mask)
+        return x_BxLxD + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x_BxLxD))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, vocab: int = 256, width: int = 64, depth: int = 2, heads: int = 4, *,
+                 rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        self.blocks = nnx.List([Block(width, heads, rngs) for _ in range(depth)])
+        self.ln = nnx.LayerNorm(width, rngs=rngs)
+        self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, tokens_BxL):
+        x_BxLxD = self.embed(tokens_BxL)
+        mask = nnx.make_causal_mask(tokens_BxL)
+        for block in self.blocks:
+            x_BxLxD = block(x_BxLxD, mask)
+        return self.head(self.ln(x_BxLxD))
+
+
+def loss_and_params(vocab: int = 256, width: int = 64, depth: int = 2, heads: int = 4,
+                    seed: int = 0):
+    """``(loss_fn(params, batch), fp32 params)``: next-token cross-entropy in fp32 on
+    ``batch["tokens"]`` (``[B, L + 1]`` int32)."""
+    graphdef, params = nnx.split(GPT(vocab, width, depth, heads, rngs=nnx.Rngs(seed)), nnx.Param)
+
+    def loss_fn(params, batch):
+        logits_BxLxV = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits_BxLxV.astype(jnp.float32), batch["tokens"][:, 1:]).mean()
+    return loss_fn, params
