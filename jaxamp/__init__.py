@@ -14,6 +14,7 @@ One module per concept:
 * ``ops``: fp32 norms, softmaxes, GELU and the loss that save half-precision tensors for
   the backward pass, for hand-built models (reached as ``jaxamp.ops.layer_norm``);
 * ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``;
+* ``autocasting``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
 """
 
@@ -22,6 +23,8 @@ from jaxamp._tree import tree_path_str
 from jaxamp.auditing import AuditReport
 from jaxamp.auditing import audit
 from jaxamp.auditing import audit_grad
+from jaxamp.autocasting import autocast
+from jaxamp.autocasting import full_precision
 from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
 from jaxamp.gradients import nonfinite_leaf_path
@@ -69,9 +72,11 @@ __all__ = (
     "all_finite",
     "audit",
     "audit_grad",
+    "autocast",
     "batch_sharding",
     "explain_overflow",
     "find_state",
+    "full_precision",
     "get_loss_scale",
     "get_master_params",
     "get_policy",

@@ -39,7 +39,7 @@ from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
 from jaxamp._tree import is_inexact_array
 from jaxamp._tree import select
-from jaxamp.autocast import autocast as _autocast
+from jaxamp.autocasting import autocast as _autocast
 from jaxamp.gradients import grad_stats
 from jaxamp.master_weights import MixedPrecisionState
 from jaxamp.master_weights import find_state

@@ -95,15 +95,17 @@ def test_integers_booleans_and_keys_are_never_touched():
                                f(W, X, labels, jax.random.key(0)), rtol=2e-2)
 
 
-def test_weak_constants_follow_and_widest_input_wins():
-    def f(w, x):
-        h = x @ w                       # bf16
-        return (h * 0.5 + 1.0, h + jnp.ones((4, 8), F32))   # weak: bf16; fp32 operand: fp32
+def test_constants_follow_and_the_widest_traced_input_wins():
+    def f(w, x, b):
+        h = x @ w                                   # bf16
+        return (h * 0.5 + jnp.ones((4, 8), F32),    # a Python number, a constant: bf16
+                h + b)                              # a traced fp32 operand: fp32
 
-    weak, strong = jaxamp.autocast(f, jaxamp.get_policy("p=f32,c=bf16,o=bf16"))(W, X)
-    assert weak.dtype == BF16 and strong.dtype == BF16  # outputs cast to output_dtype
-    jaxpr = jax.make_jaxpr(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"))(W, X)
-    adds = [e for e in jaxpr.eqns if e.primitive.name == "add"]
+    ac = jaxamp.autocast(f, "p=f32,c=bf16,o=bf16")
+    b = jnp.ones((4, 8), F32)
+    follow, widest = ac(W, X, b)
+    assert follow.dtype == BF16 and widest.dtype == BF16  # outputs cast to output_dtype
+    adds = [e for e in jax.make_jaxpr(ac)(W, X, b).eqns if e.primitive.name == "add"]
     assert [jnp.dtype(e.outvars[0].aval.dtype).name for e in adds] == ["bfloat16", "float32"]
 
 

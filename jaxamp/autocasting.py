@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -152,7 +153,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     policy = get_policy(policy)
     if not jnp.issubdtype(policy.compute_dtype, jnp.floating):
         raise TypeError(f"autocast needs a floating compute dtype, got {policy.compute_dtype}")
-    context = _Context(policy.compute_dtype, _check_rules(rules), _check_scopes(fp32_scopes))
+    context = _Context(policy.compute_dtype, _check_rules(rules), _check_scopes(fp32_scopes),
+                       regions=jnp.dtype(policy.compute_dtype) != jnp.float32)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -210,6 +212,7 @@ class _Context:
     compute: Any
     rules: Mapping[str, str]
     fp32_scopes: tuple[str, ...]
+    regions: bool = True
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
@@ -240,8 +243,12 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x
 
 
-def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str) -> list:
+def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
+              const_args: Sequence[bool] | None = None) -> list:
+    """Evaluates ``jaxpr`` under the rules. ``const_args`` flags the arguments that are
+    compile-time constants in the caller (a Python number passed to a jitted function)."""
     env: dict[Any, Any] = {}
+    constant = _constants(jaxpr, const_args)
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
@@ -250,47 +257,195 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str) -
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
         env[v] = x
-    for eqn in jaxpr.eqns:
-        # The new equations keep the user's source line and name scope, as eval_jaxpr does.
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-              eqn.ctx.manager):
-            outs = _equation(ctx, eqn, [read(v) for v in eqn.invars], outer)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
+    level = _Level(jaxpr) if ctx.regions else None
+    done: set[int] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in done:
+            continue
+        if level is not None and _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer):
+            _run_region(ctx, level, i, env, done, outer, constant)
+            continue
+        _run_equation(ctx, eqn, env, read, outer, constant)
     return [read(v) for v in jaxpr.outvars]
 
 
-def _body(ctx: _Context, closed: Any, stack: str) -> Callable:
+def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
+    """The variables that are compile-time constants: closed-over constants, constant
+    arguments, and what is computed from them alone. A constant adopts the dtype of the
+    traced values it meets, as a weakly typed Python number does."""
+    constant = set(jaxpr.constvars)
+    if const_args is not None:
+        constant.update(v for v, c in zip(jaxpr.invars, const_args, strict=True) if c)
+    for eqn in jaxpr.eqns:
+        if not eqn.effects and all(isinstance(v, Literal) or v in constant
+                                   for v in eqn.invars):
+            constant.update(eqn.outvars)
+    return constant
+
+
+def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str,
+                  constant: set) -> None:
+    # The new equations keep the user's source line and name scope, as eval_jaxpr does.
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
+        const_in = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+        outs = _equation(ctx, eqn, [read(v) for v in eqn.invars], outer, const_in)
+    for v, x in zip(eqn.outvars, outs, strict=True):
+        env[v] = x
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 regions: computed in fp32 from their half-precision inputs, recomputed for backward
+# --------------------------------------------------------------------------------------------
+
+_REGION_WINDOW = 48  # equations scanned past the last one that joined a region
+
+
+class _Level:
+    """One jaxpr's equations, with each variable's consumers."""
+
+    def __init__(self, jaxpr: Any):
+        self.eqns = list(jaxpr.eqns)
+        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        self.consumers: dict[Any, list[int]] = {}
+        for i, eqn in enumerate(self.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    self.consumers.setdefault(v, []).append(i)
+
+
+def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
+    """An equation a region may hold: no nested jaxpr, no effect, no matmul, no key."""
+    if eqn.effects or any(_jaxprs_in_params(eqn.params)):
+        return False
+    if any(jax.dtypes.issubdtype(getattr(v.aval, "dtype", None), jax.dtypes.prng_key)
+           for v in (*eqn.invars, *eqn.outvars)):
+        return False
+    return ctx.rule(eqn, nested_stack(eqn, outer)) in ("float32", "promote")
+
+
+def _jaxprs_in_params(params: Mapping[str, Any]):
+    for value in params.values():
+        if hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
+            yield value
+        elif isinstance(value, tuple | list) and any(
+                hasattr(x, "eqns") or hasattr(getattr(x, "jaxpr", None), "eqns") for x in value):
+            yield value
+
+
+def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
+    """A precision-sensitive op on a half-precision input opens an fp32 region, and so does an
+    explicit upcast of one (flax's norms cast their input to fp32 for the statistics)."""
+    half_in = any(_is_float(x) and jnp.dtype(x.dtype) != jnp.float32 for x in invals)
+    if not half_in or not _pure_elementwise_like(ctx, eqn, outer):
+        return False
+    if eqn.primitive.name == "convert_element_type":
+        return jnp.dtype(eqn.params["new_dtype"]) == jnp.float32
+    return ctx.rule(eqn, nested_stack(eqn, outer)) == "float32"
+
+
+def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[int],
+                outer: str, constant: set) -> None:
+    """Grows the region from ``seed`` over the equations that consume its values, evaluates it
+    in fp32 under ``jax.checkpoint`` (so that only its inputs are kept for the backward pass,
+    and its fp32 intermediates are recomputed), and casts the values it hands on to the
+    compute dtype. Equations that do not depend on the region are evaluated first."""
+    members, region_vars = [seed], set(level.eqns[seed].outvars)
+    blocked: set[Any] = set()
+    last = seed
+    for j in range(seed + 1, len(level.eqns)):
+        if j - last > _REGION_WINDOW:
+            break
+        if j in done:
+            continue
+        eqn = level.eqns[j]
+        ins = {v for v in eqn.invars if not isinstance(v, Literal)}
+        if ins & blocked:
+            blocked.update(eqn.outvars)
+        elif ins & region_vars:
+            if _pure_elementwise_like(ctx, eqn, outer):
+                members.append(j)
+                region_vars.update(eqn.outvars)
+                last = j
+            else:
+                blocked.update(eqn.outvars)
+        elif all(v in env for v in ins) and _is_seed(
+                ctx, eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars],
+                outer):  # another upcast or fp32 op of the region's inputs: it belongs here
+            members.append(j)
+            region_vars.update(eqn.outvars)
+            last = j
+        elif all(v in env for v in ins):  # independent of the region: run it now
+            _run_equation(ctx, eqn, env, lambda v: v.val if isinstance(v, Literal) else env[v],
+                          outer, constant)
+            done.add(j)
+        else:
+            blocked.update(eqn.outvars)
+    member_set = set(members)
+    eqns = [level.eqns[j] for j in members]
+    inputs = list(dict.fromkeys(v for e in eqns for v in e.invars
+                                if not isinstance(v, Literal) and v not in region_vars))
+    exports = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars)
+               if v in level.outvars or any(c not in member_set
+                                            for c in level.consumers.get(v, ()))]
+    handed_on = [any(c not in member_set for c in level.consumers.get(v, ())) for v in exports]
+
+    def region(*values):
+        local = dict(zip(inputs, values, strict=True))
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else local[v]
+        for eqn in eqns:
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with (source_info_util.user_context(eqn.source_info.traceback,
+                                                name_stack=name_stack), eqn.ctx.manager):
+                outs = _bind(eqn, [_cast(read(v), jnp.float32) for v in eqn.invars], "float32",
+                             ctx)
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                local[v] = x
+        return [_cast(local[v], ctx.compute) if on else local[v]
+                for v, on in zip(exports, handed_on, strict=True)]
+
+    outs = jax.checkpoint(region)(*[env[v] for v in inputs])
+    for v, x in zip(exports, outs, strict=True):
+        env[v] = x
+    done.update(members)
+
+
+def _body(ctx: _Context, closed: Any, stack: str,
+          const_args: Sequence[bool] | None = None) -> Callable:
     """A closed (or open) jaxpr as a function evaluated under the rules."""
     jaxpr = getattr(closed, "jaxpr", closed)
     consts = list(getattr(closed, "consts", ()))
-    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack)
+    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args)
 
 
-def _equation(ctx: _Context, eqn: Any, invals: list, outer: str) -> list:
+def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
+              const_in: Sequence[bool]) -> list:
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = ctx.rule(eqn, stack)
     if rule != "original":
         if name in _INLINE and _INLINE[name] in eqn.params:
-            return _body(ctx, eqn.params[_INLINE[name]], stack)(*invals)
+            return _body(ctx, eqn.params[_INLINE[name]], stack, const_in)(*invals)
         if name in _REMAT:
             fn = _body(ctx, eqn.params["jaxpr"], stack)
             return jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                   policy=eqn.params.get("policy"))(*invals)
         if name == "custom_jvp_call":
-            return _body(ctx, eqn.params["call_jaxpr"], stack)(*invals)
+            return _body(ctx, eqn.params["call_jaxpr"], stack, const_in)(*invals)
         if name == "scan":
             return _scan(ctx, eqn, invals, stack)
         if name == "while":
             return _while(ctx, eqn, invals, stack)
         if name == "cond":
             return _cond(ctx, eqn, invals, stack)
-    return _bind(eqn, _cast_inputs(ctx, eqn, invals, rule), rule, ctx)
+    return _bind(eqn, _cast_inputs(ctx, eqn, invals, rule, const_in), rule, ctx)
 
 
-def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str) -> list:
+def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
+                 const_in: Sequence[bool]) -> list:
     if rule == "original":
         return [_cast(x, v.aval.dtype) if _is_float(x) else x
                 for x, v in zip(invals, eqn.invars, strict=True)]
@@ -299,22 +454,14 @@ def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str) -> list:
     if rule in ("float32", "float32!"):
         return [_cast(x, jnp.float32) for x in invals]
     # promote: the widest floating input, weakly typed constants aside.
-    strong = [jnp.dtype(x.dtype) for x, v in zip(invals, eqn.invars, strict=True)
-              if _is_float(x) and not _is_weak(v)]
+    strong = [jnp.dtype(x.dtype) for x, v, c in zip(invals, eqn.invars, const_in, strict=True)
+              if _is_float(x) and not c and not getattr(v.aval, "weak_type", False)]
     floats = strong or [jnp.dtype(x.dtype) for x in invals if _is_float(x)]
     if len(set(floats)) <= 1 and (not floats or all(
             not _is_float(x) or jnp.dtype(x.dtype) == floats[0] for x in invals)):
         return invals
     target = functools.reduce(_wider, floats)
     return [_cast(x, target) for x in invals]
-
-
-def _is_weak(v: Any) -> bool:
-    """A weakly typed value, or a scalar constant inlined in the jaxpr (a Python number in
-    ``fn``; jaxprs keep no weak type on literals): it adopts the other operands' dtype."""
-    if getattr(v.aval, "weak_type", False):
-        return True
-    return isinstance(v, Literal) and getattr(v.aval, "shape", None) == ()
 
 
 def _wider(a: Any, b: Any) -> Any:
@@ -325,7 +472,69 @@ def _wider(a: Any, b: Any) -> Any:
     return jnp.dtype(jnp.float32)  # bf16 and f16: neither holds the other
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _broadcast(x: jax.Array, shape: tuple, dims: tuple, sharding: Any, meta: tuple) -> jax.Array:
+    """``broadcast_in_dim`` whose gradient, a sum over the broadcast axes, runs in fp32: the
+    gradient of a bias sums a whole batch of half-precision cotangents. ``meta`` is the
+    operand's ``(shape, dtype)``."""
+    del meta
+    return lax.broadcast_in_dim(x, shape, dims, out_sharding=sharding)
+
+
+def _broadcast_fwd(x, shape, dims, sharding, meta):
+    return _broadcast(x, shape, dims, sharding, meta), None
+
+
+def _broadcast_bwd(shape, dims, sharding, meta, _, g):
+    del sharding
+    in_shape, dtype = meta
+    g32 = g.astype(jnp.float32)
+    expanded = tuple(d for k, d in enumerate(dims) if in_shape[k] == 1 and shape[d] != 1)
+    if expanded:
+        g32 = jnp.sum(g32, axis=expanded, keepdims=True)
+    new = tuple(i for i in range(len(shape)) if i not in dims)
+    if new:
+        g32 = jnp.sum(g32, axis=new)
+    return (g32.reshape(in_shape).astype(dtype),)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+def _is_half_broadcast(eqn: Any, invals: list, ctx: _Context) -> bool:
+    if eqn.primitive.name != "broadcast_in_dim" or len(invals) != 1:
+        return False
+    x = invals[0]
+    return (_is_float(x) and jnp.dtype(x.dtype) != jnp.float32
+            and math.prod(eqn.params["shape"]) > math.prod(x.shape))
+
+
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
+                          "nextafter", "select_n", "clamp"})
+
+
+def _broadcast_operands(eqn: Any, invals: list) -> list:
+    """An elementwise op broadcasts size-1 axes implicitly, and its gradient sums them in the
+    cotangent's dtype: broadcast half-precision operands first, through ``_broadcast``."""
+    shape = tuple(eqn.outvars[0].aval.shape)
+    out = []
+    for x in invals:
+        if (_is_float(x) and jnp.dtype(x.dtype) != jnp.float32 and x.ndim == len(shape)
+                and tuple(x.shape) != shape):
+            x = _broadcast(x, shape, tuple(range(len(shape))), None,
+                           (tuple(x.shape), jnp.dtype(x.dtype)))
+        out.append(x)
+    return out
+
+
 def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
+    if rule != "original" and eqn.primitive.name in _ELEMENTWISE:
+        invals = _broadcast_operands(eqn, invals)
+    if rule != "original" and _is_half_broadcast(eqn, invals, ctx):
+        x = invals[0]
+        return [_broadcast(x, tuple(eqn.params["shape"]),
+                           tuple(eqn.params["broadcast_dimensions"]), eqn.params.get("sharding"),
+                           (tuple(x.shape), jnp.dtype(x.dtype)))]
     params = dict(eqn.params)
     if "preferred_element_type" in params and any(_is_float(x) for x in invals):
         if rule == "compute":
