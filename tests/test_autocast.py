@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
@@ -361,3 +362,47 @@ def test_bad_input_is_a_clear_error(call, error, words):
         call()
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: fp32 regions keep only half-precision tensors for the backward pass
+# --------------------------------------------------------------------------------------------
+
+def test_an_fp32_norm_region_saves_only_its_half_precision_input():
+    ln = nnx.LayerNorm(64, rngs=nnx.Rngs(0))           # flax upcasts to fp32 inside
+    graphdef, params = nnx.split(ln, nnx.Param)
+    params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+    x = jax.random.normal(jax.random.key(0), (4, 32, 64)).astype(BF16)
+
+    def f(p, x):
+        return nnx.merge(graphdef, p)(x)
+    saved = jaxamp.audit_grad(jaxamp.autocast(f), params, x).saved_bytes_by_dtype
+    assert saved.get("float32", 0) == 0, saved
+    plain = jaxamp.audit_grad(f, params, x).saved_bytes_by_dtype
+    assert plain["float32"] >= 4 * x.size  # without autocast: an fp32 copy of x, at least
+    # The region is computed in fp32: the same value as flax's own LayerNorm, to bf16 rounding.
+    np.testing.assert_allclose(np.asarray(jaxamp.autocast(f, "p=f32,c=bf16,o=f32")(params, x)),
+                               np.asarray(f(params, x), np.float32), atol=2e-2)
+
+
+def test_bias_and_broadcast_gradients_sum_in_fp32():
+    def f(w, b, x):
+        return jnp.sum((x @ w + b).astype(F32))
+
+    w, b = W.astype(BF16), jnp.ones((8,), BF16)
+    grad = jax.grad(jaxamp.autocast(f), argnums=1)
+    sums = [jnp.dtype(e.invars[0].aval.dtype).name for e in eqns(grad, w, b, X)
+            if e.primitive.name == "reduce_sum"]
+    assert sums and set(sums) == {"float32"}
+    np.testing.assert_allclose(np.asarray(grad(w, b, X), F32), np.full(8, 4.0))
+
+
+def test_the_users_gpt_saves_less_than_fp32_and_almost_nothing_in_fp32():
+    loss_fn, params, batch = _gpt_loss()
+    working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+    fp32 = jaxamp.audit_grad(loss_fn, params, batch)
+    trap = jaxamp.audit_grad(loss_fn, working, batch)
+    ac = jaxamp.audit_grad(jaxamp.autocast(loss_fn), working, batch)
+    assert trap.saved_bytes > fp32.saved_bytes          # the promotion trap saves more
+    assert ac.saved_bytes < 0.85 * fp32.saved_bytes
+    assert ac.saved_bytes_by_dtype.get("float32", 0) < 0.01 * ac.saved_bytes

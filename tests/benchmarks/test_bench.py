@@ -146,3 +146,18 @@ def test_bench_layout_counts_the_bytes_of_each_instruction(capsys):
     assert "| **total** |" in out and "| jaxamp pinned |" in out
     # The shipped step (gradients pinned to row-major) accesses fewer bytes than without the pin.
     assert total["bare_bf16"] < total["jaxamp pinned"] < total["jaxamp not pinned"]
+
+
+def test_autocast_suite_meets_the_dtype_goals_on_users_models(tiny_runs):
+    out, results = tiny_runs
+    rows = read_jsonl(out / "autocast.jsonl")
+    assert len(rows) == 12  # four models, three variants each
+    by = {(r["model"].split(")")[0], r["variant"]): r for r in rows}
+    for model in ("(a", "(b", "(c", "(d"):
+        fp32, trap, ac = (by[(model, v)] for v in ("fp32", "cast params (jmp recipe)",
+                                                    "jaxamp.autocast"))
+        assert fp32["bf16_share"] == 0.0 and trap["bf16_share"] == 0.0  # the promotion trap
+        assert ac["bf16_share"] >= 0.99 and ac["half_sensitive_ops"] == 0
+        assert ac["saved_vs_fp32"] < min(1.0, trap["saved_vs_fp32"])
+    timing = results["autocast"][-1]
+    assert timing["variant"] == "trace+compile" and timing["ratio"] > 0
