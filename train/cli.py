@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=PRECISIONS)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--accum-steps", type=int)
+    ap.add_argument("--autocast", action="store_true", default=None,
+                    help="run the loss under jaxamp.autocast: matmuls in the compute dtype, "
+                         "precision-sensitive ops in fp32, whatever dtypes the model uses")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--seed", type=int)

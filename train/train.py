@@ -60,7 +60,7 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     state = create_train_state(config, policy, params, model_state)
     axis = "batch" if config.parallel == "pmap" else None
     step_fn = jaxamp.make_train_step(loss_fn, accum_steps=config.accum_steps, axis_name=axis,
-                                     **flags)
+                                     autocast=config.autocast, **flags)
     manager = checkpointing.manager(workdir, keep=config.keep_checkpoints)
     start = 0
     if resume:

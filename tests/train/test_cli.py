@@ -45,6 +45,18 @@ def test_each_task_runs_and_writes_logs_checkpoint_and_plot(tmp_path, task):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
 
 
+def test_autocast_flag_trains_under_jaxamp_autocast(tmp_path):
+    summary = _run(tmp_path, "--task", "text", "--precision", "mixed_bfloat16", "--autocast",
+                   *TINY["text"])
+    assert summary["config"]["autocast"] is True
+    assert summary["steps"] == 3 and np.isfinite(summary["eval_loss"])
+    plain = _run(tmp_path / "plain", "--task", "text", "--precision", "mixed_bfloat16",
+                 *TINY["text"])
+    assert plain["config"]["autocast"] is False
+    # The reference GPT is already mixed-precision clean: autocast keeps its numerics.
+    np.testing.assert_allclose(summary["eval_loss"], plain["eval_loss"], rtol=2e-2)
+
+
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
     args = ["--precision", "mixed_float16", "--steps", "10", "--checkpoint-every", "5",
             "--growth-interval", "3"]

@@ -15,6 +15,8 @@ class Config:
     precision: str = "auto"
     batch_size: int = 64
     accum_steps: int = 1
+    # Run the loss under jaxamp.autocast (per-op dtype rules) instead of the model's own dtypes.
+    autocast: bool = False
     steps: int = 300
     lr: float = 1e-3
     weight_decay: float = 1e-4
