@@ -22,3 +22,15 @@ def test_readme_starts_with_the_two_commands():
     first_block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     assert first_block.splitlines()[0].startswith("make demo")
     assert first_block.splitlines()[1].startswith("make test")
+
+
+def test_readme_autocast_quickstart_runs():
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+              if "autocast=True" in b]
+    assert len(blocks) == 1, "README.md has no autocast quickstart"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
+    state, step, batch = namespace["state"], namespace["step"], namespace["batch"]
+    assert int(state.step) == 10
+    import jaxamp
+    assert jaxamp.audit(step, state, batch).share("bfloat16") >= 0.99
