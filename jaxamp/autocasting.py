@@ -170,7 +170,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         arrays = [leaves[i] for i in traced]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        outs = _evaluate(context, closed.jaxpr, list(closed.consts), arrays, "")
+        ctx = dataclasses.replace(context, upcasts={})
+        outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), arrays, "")
         outs = [_cast(x, policy.output_dtype) for x in outs]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
@@ -213,10 +214,15 @@ class _Context:
     rules: Mapping[str, str]
     fp32_scopes: tuple[str, ...]
     regions: bool = True
+    all_float32: bool = False  # inside an fp32 region
+    # id(fp32 value) -> (that value, the half-precision value it was upcast from), per call.
+    upcasts: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
             return "original"
+        if self.all_float32:
+            return "float32"
         if self.fp32_scopes and _in_scopes(stack, self.fp32_scopes):
             return "float32!"  # every op, matmuls included
         return self.rules.get(eqn.primitive.name, "promote")
@@ -262,7 +268,8 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
-        if level is not None and _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer):
+        if (level is not None and _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
+                and not _feeds_only_matmuls(level, i)):
             _run_region(ctx, level, i, env, done, outer, constant)
             continue
         _run_equation(ctx, eqn, env, read, outer, constant)
@@ -290,7 +297,12 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
           eqn.ctx.manager):
         const_in = [isinstance(v, Literal) or v in constant for v in eqn.invars]
-        outs = _equation(ctx, eqn, [read(v) for v in eqn.invars], outer, const_in)
+        invals = [read(v) for v in eqn.invars]
+        outs = _equation(ctx, eqn, invals, outer, const_in)
+        if (eqn.primitive.name == "convert_element_type" and _is_float(invals[0])
+                and _is_float(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
+                and jnp.dtype(invals[0].dtype) != jnp.float32):
+            ctx.upcasts[id(outs[0])] = (outs[0], invals[0])
     for v, x in zip(eqn.outvars, outs, strict=True):
         env[v] = x
 
@@ -315,9 +327,28 @@ class _Level:
                     self.consumers.setdefault(v, []).append(i)
 
 
+def _feeds_only_matmuls(level: _Level, i: int) -> bool:
+    """An upcast whose only consumers are matmuls (flax's ``promote_dtype`` of a kernel) is no
+    region: the matmul takes the half-precision value it came from (``_downcast_source``)."""
+    eqn = level.eqns[i]
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    users = [level.eqns[j] for v in eqn.outvars for j in level.consumers.get(v, ())]
+    return bool(users) and all(u.primitive.name in _MATMULS for u in users) and not any(
+        v in level.outvars for v in eqn.outvars)
+
+
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
-    """An equation a region may hold: no nested jaxpr, no effect, no matmul, no key."""
-    if eqn.effects or any(_jaxprs_in_params(eqn.params)):
+    """An equation a region may hold: no effect, no matmul, no key, and no nested jaxpr but
+    a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
+    if eqn.effects:
+        return False
+    if eqn.primitive.name in _INLINE and _INLINE[eqn.primitive.name] in eqn.params:
+        body = eqn.params[_INLINE[eqn.primitive.name]]
+        stack = nested_stack(eqn, outer)
+        return all(_pure_elementwise_like(ctx, e, stack)
+                   for e in getattr(body, "jaxpr", body).eqns)
+    if any(_jaxprs_in_params(eqn.params)) or eqn.primitive.name in _MATMULS:
         return False
     if any(jax.dtypes.issubdtype(getattr(v.aval, "dtype", None), jax.dtypes.prng_key)
            for v in (*eqn.invars, *eqn.outvars)):
@@ -370,7 +401,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
                 last = j
             else:
                 blocked.update(eqn.outvars)
-        elif all(v in env for v in ins) and _is_seed(
+        elif all(v in env for v in ins) and not _feeds_only_matmuls(level, j) and _is_seed(
                 ctx, eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars],
                 outer):  # another upcast or fp32 op of the region's inputs: it belongs here
             members.append(j)
@@ -391,6 +422,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
                                             for c in level.consumers.get(v, ()))]
     handed_on = [any(c not in member_set for c in level.consumers.get(v, ())) for v in exports]
 
+    inside = dataclasses.replace(ctx, regions=False, all_float32=True)
+
     def region(*values):
         local = dict(zip(inputs, values, strict=True))
 
@@ -400,8 +433,12 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (source_info_util.user_context(eqn.source_info.traceback,
                                                 name_stack=name_stack), eqn.ctx.manager):
-                outs = _bind(eqn, [_cast(read(v), jnp.float32) for v in eqn.invars], "float32",
-                             ctx)
+                ins = [_cast(read(v), jnp.float32) for v in eqn.invars]
+                if eqn.primitive.name in _INLINE:  # a jitted function: all of it in fp32
+                    outs = _body(inside, eqn.params[_INLINE[eqn.primitive.name]],
+                                 nested_stack(eqn, outer))(*ins)
+                else:
+                    outs = _bind(eqn, ins, "float32", ctx)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 local[v] = x
         return [_cast(local[v], ctx.compute) if on else local[v]
@@ -444,13 +481,23 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     return _bind(eqn, _cast_inputs(ctx, eqn, invals, rule, const_in), rule, ctx)
 
 
+def _downcast_source(ctx: _Context, x: Any) -> Any:
+    """An fp32 value that ``fn`` upcast from the compute dtype goes back to that value rather
+    than through a second cast: exact, and the matmul then saves the original (often a param,
+    an argument) instead of a new copy for the backward pass."""
+    entry = ctx.upcasts.get(id(x))
+    if entry is not None and entry[0] is x and jnp.dtype(entry[1].dtype) == ctx.compute:
+        return entry[1]
+    return x
+
+
 def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
                  const_in: Sequence[bool]) -> list:
     if rule == "original":
         return [_cast(x, v.aval.dtype) if _is_float(x) else x
                 for x, v in zip(invals, eqn.invars, strict=True)]
     if rule == "compute":
-        return [_cast(x, ctx.compute) for x in invals]
+        return [_cast(_downcast_source(ctx, x), ctx.compute) for x in invals]
     if rule in ("float32", "float32!"):
         return [_cast(x, jnp.float32) for x in invals]
     # promote: the widest floating input, weakly typed constants aside.
