@@ -423,6 +423,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
     handed_on = [any(c not in member_set for c in level.consumers.get(v, ())) for v in exports]
 
     inside = dataclasses.replace(ctx, regions=False, all_float32=True)
+    producer = {v: eqn for eqn in eqns for v in eqn.outvars}
 
     def region(*values):
         local = dict(zip(inputs, values, strict=True))
@@ -441,8 +442,13 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
                     outs = _bind(eqn, ins, "float32", ctx)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 local[v] = x
-        return [_cast(local[v], ctx.compute) if on else local[v]
-                for v, on in zip(exports, handed_on, strict=True)]
+        out = []
+        for v, on in zip(exports, handed_on, strict=True):
+            eqn = producer[v]  # the cast is the user's op's: its source line and scope
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+                out.append(_cast(local[v], ctx.compute) if on else local[v])
+        return out
 
     outs = jax.checkpoint(region)(*[env[v] for v in inputs])
     for v, x in zip(exports, outs, strict=True):

@@ -406,3 +406,23 @@ def test_the_users_gpt_saves_less_than_fp32_and_almost_nothing_in_fp32():
     assert trap.saved_bytes > fp32.saved_bytes          # the promotion trap saves more
     assert ac.saved_bytes < 0.85 * fp32.saved_bytes
     assert ac.saved_bytes_by_dtype.get("float32", 0) < 0.01 * ac.saved_bytes
+
+
+def test_explain_overflow_and_audit_see_through_an_autocast_loss():
+    def loss_fn(params, batch):
+        with jax.named_scope("layer1"):
+            h = batch["x"] @ params["w1"]
+        with jax.named_scope("layer2"):
+            h = jnp.exp(h) @ params["w2"]
+        return jnp.mean(h)
+
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
+    state = jaxamp.TrainState.create(params={"w1": jnp.full((4, 4), 8.0), "w2": jnp.ones((4, 1))},
+                                     tx=tx)
+    batch = {"x": jnp.ones((2, 4))}
+    report = jaxamp.explain_overflow(state, batch, jaxamp.autocast(loss_fn, state.policy))
+    # exp runs in fp32 under autocast (e^32 is finite there); its fp16 result overflows.
+    assert report.first_forward is not None
+    assert report.first_forward.layer == "layer2"
+    assert jaxamp.audit(jaxamp.autocast(loss_fn, "mixed_float16"), state.params,
+                        batch).share("float16") == 1.0
