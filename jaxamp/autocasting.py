@@ -321,10 +321,43 @@ class _Level:
         self.eqns = list(jaxpr.eqns)
         self.outvars = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
         self.consumers: dict[Any, list[int]] = {}
+        self.producer: dict[Any, int] = {}
         for i, eqn in enumerate(self.eqns):
+            for v in eqn.outvars:
+                self.producer[v] = i
             for v in eqn.invars:
                 if not isinstance(v, Literal):
                     self.consumers.setdefault(v, []).append(i)
+
+
+def _look_behind(ctx: _Context, level: _Level, members: list[int], region_vars: set,
+                 env: dict, outer: str) -> list[int]:
+    """Pulls into the region the elementwise ops before it whose only use is the region (the
+    ``x * x`` of a variance, computed in the compute dtype from a half input): recomputed in
+    fp32 inside the region, their half-precision results are no longer saved."""
+    member_set = set(members)
+    for _ in range(4):
+        added = False
+        for j in sorted(member_set):
+            for v in level.eqns[j].invars:
+                if isinstance(v, Literal) or v in region_vars or v in level.outvars:
+                    continue
+                i = level.producer.get(v)
+                if i is None or i in member_set:
+                    continue
+                eqn = level.eqns[i]
+                if (eqn.primitive.name in _INLINE or not _pure_elementwise_like(ctx, eqn, outer)
+                        or not all(c in member_set for c in level.consumers.get(v, ()))
+                        or len(eqn.outvars) != 1
+                        or not all(isinstance(u, Literal) or u in env or u in region_vars
+                                   for u in eqn.invars)):
+                    continue
+                member_set.add(i)
+                region_vars.update(eqn.outvars)
+                added = True
+        if not added:
+            break
+    return sorted(member_set)
 
 
 def _feeds_only_matmuls(level: _Level, i: int) -> bool:
@@ -413,6 +446,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             done.add(j)
         else:
             blocked.update(eqn.outvars)
+    members = _look_behind(ctx, level, members, region_vars, env, outer)
     member_set = set(members)
     eqns = [level.eqns[j] for j in members]
     inputs = list(dict.fromkeys(v for e in eqns for v in e.invars
