@@ -19,7 +19,7 @@ import jax
 import jaxlib
 from jax.extend.core import Literal
 
-__all__ = ["Literal", "evaluate", "is_backward", "nested_stack", "scope", "walk",
+__all__ = ["Literal", "environment", "evaluate", "is_backward", "nested_stack", "scope", "walk",
            "walk_levels", "where"]
 
 # Frames in these folders are not the user's: JAX itself and Python's standard library.
@@ -176,19 +176,22 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "custom_vjp_call_jaxpr": "fun_jaxpr"}
 
 
+def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[Any], Any]]:
+    """``(env, read)`` for evaluating ``jaxpr``: its constants and arguments bound, and a
+    reader of variables and literals."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+    return env, read
+
+
 def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str = "") -> list:
     """Evaluates ``jaxpr`` equation by equation, calling ``on_eqn(eqn, outputs, outer)`` after
     each primitive. Call-like equations (jit, remat, custom_jvp/vjp) are entered, so that
     ``on_eqn`` sees the primitives inside them; others are bound as they are."""
-    env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
+    env, read = environment(jaxpr, consts, args)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         key = _INLINE.get(eqn.primitive.name)

@@ -63,6 +63,7 @@ from jax import lax
 from jax.extend import source_info_util
 
 from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
 from jaxamp.policy import get_policy
 
@@ -253,16 +254,8 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
               const_args: Sequence[bool] | None = None) -> list:
     """Evaluates ``jaxpr`` under the rules. ``const_args`` flags the arguments that are
     compile-time constants in the caller (a Python number passed to a jitted function)."""
-    env: dict[Any, Any] = {}
+    env, read = environment(jaxpr, consts, args)
     constant = _constants(jaxpr, const_args)
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
     level = _Level(jaxpr) if ctx.regions else None
     done: set[int] = set()
     for i, eqn in enumerate(jaxpr.eqns):
