@@ -138,13 +138,13 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     Returns:
       A function with ``fn``'s signature.
 
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, jaxamp
     >>> def loss(w, x):
     ...     return jnp.mean(jnp.exp(x @ w))
     >>> w, x = jnp.ones((4, 2)) * 0.1, jnp.ones((8, 4))
-    >>> jaxpr = jax.make_jaxpr(autocast(loss))(w, x)
-    >>> [str(e.outvars[0].aval) for e in jaxpr.eqns if e.primitive.name in ("dot_general", "exp")]
-    ['bfloat16[8,2]', 'float32[8,2]']
+    >>> report = jaxamp.audit_grad(autocast(loss), w, x)  # the forward and the backward pass
+    >>> report.share("bfloat16"), report.half_sensitive_ops  # every matmul bf16, exp in fp32
+    (1.0, [])
     >>> round(float(autocast(loss)(w, x)), 2), autocast(loss)(w, x).dtype
     (1.49, dtype('float32'))
     """

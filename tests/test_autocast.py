@@ -279,12 +279,10 @@ MODELS = {"nnx_gpt": _gpt_loss, "linen_encoder": _linen_encoder_loss,
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads(name):
-    loss_fn, params, batch = MODELS[name]()
-    before = jaxamp.audit_grad(loss_fn, jaxamp.get_policy("mixed_bfloat16")
-                               .cast_params_to_compute(params), batch)
+    loss_fn, params, batch = MODELS[name]()  # the trap without autocast: tests/benchmarks
     ac = jaxamp.autocast(loss_fn)
     report = jaxamp.audit_grad(ac, params, batch)
-    assert report.share("bfloat16") >= 0.99 > before.share("bfloat16")
+    assert report.share("bfloat16") >= 0.99
     assert report.half_sensitive_ops == []
     np.testing.assert_allclose(float(ac(params, batch)), float(loss_fn(params, batch)),
                                rtol=3e-2)
