@@ -65,6 +65,7 @@ from jax.extend import source_info_util
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
+from jaxamp._tree import is_floating_array
 from jaxamp.policy import get_policy
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
@@ -239,13 +240,8 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-
-
 def _cast(x: Any, dtype: Any) -> Any:
-    if _is_float(x) and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+    if is_floating_array(x) and jnp.dtype(x.dtype) != jnp.dtype(dtype):
         return lax.convert_element_type(x, dtype)
     return x
 
@@ -292,8 +288,8 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
         const_in = [isinstance(v, Literal) or v in constant for v in eqn.invars]
         invals = [read(v) for v in eqn.invars]
         outs = _equation(ctx, eqn, invals, outer, const_in)
-        if (eqn.primitive.name == "convert_element_type" and _is_float(invals[0])
-                and _is_float(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
+        if (eqn.primitive.name == "convert_element_type" and is_floating_array(invals[0])
+                and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
             ctx.upcasts[id(outs[0])] = (outs[0], invals[0])
     for v, x in zip(eqn.outvars, outs, strict=True):
@@ -394,7 +390,7 @@ def _jaxprs_in_params(params: Mapping[str, Any]):
 def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
     """A precision-sensitive op on a half-precision input opens an fp32 region, and so does an
     explicit upcast of one (flax's norms cast their input to fp32 for the statistics)."""
-    half_in = any(_is_float(x) and jnp.dtype(x.dtype) != jnp.float32 for x in invals)
+    half_in = any(is_floating_array(x) and jnp.dtype(x.dtype) != jnp.float32 for x in invals)
     if not half_in or not _pure_elementwise_like(ctx, eqn, outer):
         return False
     if eqn.primitive.name == "convert_element_type":
@@ -527,7 +523,7 @@ def _downcast_source(ctx: _Context, x: Any) -> Any:
 def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
                  const_in: Sequence[bool]) -> list:
     if rule == "original":
-        return [_cast(x, v.aval.dtype) if _is_float(x) else x
+        return [_cast(x, v.aval.dtype) if is_floating_array(x) else x
                 for x, v in zip(invals, eqn.invars, strict=True)]
     if rule == "compute":
         return [_cast(_downcast_source(ctx, x), ctx.compute) for x in invals]
@@ -535,13 +531,12 @@ def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
         return [_cast(x, jnp.float32) for x in invals]
     # promote: the widest floating input, weakly typed constants aside.
     strong = [jnp.dtype(x.dtype) for x, v, c in zip(invals, eqn.invars, const_in, strict=True)
-              if _is_float(x) and not c and not getattr(v.aval, "weak_type", False)]
-    floats = strong or [jnp.dtype(x.dtype) for x in invals if _is_float(x)]
-    if len(set(floats)) <= 1 and (not floats or all(
-            not _is_float(x) or jnp.dtype(x.dtype) == floats[0] for x in invals)):
+              if is_floating_array(x) and not c and not getattr(v.aval, "weak_type", False)]
+    floats = strong or [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
+    if not floats:
         return invals
     target = functools.reduce(_wider, floats)
-    return [_cast(x, target) for x in invals]
+    return [_cast(x, target) for x in invals]  # a no-op for inputs already in target
 
 
 def _wider(a: Any, b: Any) -> Any:
@@ -581,11 +576,11 @@ def _broadcast_bwd(shape, dims, sharding, meta, _, g):
 _broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
 
 
-def _is_half_broadcast(eqn: Any, invals: list, ctx: _Context) -> bool:
+def _is_half_broadcast(eqn: Any, invals: list) -> bool:
     if eqn.primitive.name != "broadcast_in_dim" or len(invals) != 1:
         return False
     x = invals[0]
-    return (_is_float(x) and jnp.dtype(x.dtype) != jnp.float32
+    return (is_floating_array(x) and jnp.dtype(x.dtype) != jnp.float32
             and math.prod(eqn.params["shape"]) > math.prod(x.shape))
 
 
@@ -599,7 +594,7 @@ def _broadcast_operands(eqn: Any, invals: list) -> list:
     shape = tuple(eqn.outvars[0].aval.shape)
     out = []
     for x in invals:
-        if (_is_float(x) and jnp.dtype(x.dtype) != jnp.float32 and x.ndim == len(shape)
+        if (is_floating_array(x) and jnp.dtype(x.dtype) != jnp.float32 and x.ndim == len(shape)
                 and tuple(x.shape) != shape):
             x = _broadcast(x, shape, tuple(range(len(shape))), None,
                            (tuple(x.shape), jnp.dtype(x.dtype)))
@@ -610,19 +605,19 @@ def _broadcast_operands(eqn: Any, invals: list) -> list:
 def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
     if rule != "original" and eqn.primitive.name in _ELEMENTWISE:
         invals = _broadcast_operands(eqn, invals)
-    if rule != "original" and _is_half_broadcast(eqn, invals, ctx):
+    if rule != "original" and _is_half_broadcast(eqn, invals):
         x = invals[0]
         return [_broadcast(x, tuple(eqn.params["shape"]),
                            tuple(eqn.params["broadcast_dimensions"]), eqn.params.get("sharding"),
                            (tuple(x.shape), jnp.dtype(x.dtype)))]
     params = dict(eqn.params)
-    if "preferred_element_type" in params and any(_is_float(x) for x in invals):
+    if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
         if rule == "compute":
             params["preferred_element_type"] = jnp.dtype(ctx.compute)
         elif rule == "float32!":
             params["preferred_element_type"] = jnp.dtype(jnp.float32)
         elif rule == "promote" and params["preferred_element_type"] is not None:
-            float_in = [jnp.dtype(x.dtype) for x in invals if _is_float(x)]
+            float_in = [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
             params["preferred_element_type"] = functools.reduce(_wider, float_in)
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return out if eqn.primitive.multiple_results else [out]
@@ -633,7 +628,8 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
 # --------------------------------------------------------------------------------------------
 
 def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
-    return [_cast(x, y.dtype) if _is_float(y) else x for x, y in zip(values, like, strict=True)]
+    return [_cast(x, y.dtype) if is_floating_array(y) else x
+            for x, y in zip(values, like, strict=True)]
 
 
 def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
@@ -667,7 +663,7 @@ def _cond(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
     branches = [_body(ctx, b, stack) for b in eqn.params["branches"]]
     shapes = [jax.eval_shape(b, *operands) for b in branches]
     dtypes = [functools.reduce(_wider, [jnp.dtype(s[i].dtype) for s in shapes])
-              if _is_float(shapes[0][i]) else None for i in range(len(shapes[0]))]
+              if is_floating_array(shapes[0][i]) else None for i in range(len(shapes[0]))]
 
     def agreeing(branch):
         return lambda *ops: [x if d is None else _cast(x, d)

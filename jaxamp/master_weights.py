@@ -198,11 +198,12 @@ def _apply(inner, extra_args, same, scale, master, inner_state, grads):
     # caller's apply_updates runs. (Returning the inner update itself is not enough: XLA may
     # fuse the optimizer's last multiply into m + u as an FMA.)
     new_leaves, treedef = jax.tree.flatten(new_master)
-    kept = [_working_update(n, m) for n, m, k in
-            zip(new_leaves, jax.tree.leaves(master), same, strict=True) if k]
+    old_leaves = jax.tree.leaves(master)
+    kept = [_working_update(n, m) for n, m, k in zip(new_leaves, old_leaves, same, strict=True)
+            if k]
     kept_iter = iter(kept)
     new_leaves = [m + next(kept_iter) if k else n for n, m, k in
-                  zip(new_leaves, jax.tree.leaves(master), same, strict=True)]
+                  zip(new_leaves, old_leaves, same, strict=True)]
     return jax.tree.unflatten(treedef, new_leaves), cast_like(new_inner, inner_state), kept
 
 

@@ -276,13 +276,7 @@ def _checked_optimizer_state(config: _StepConfig, state: TrainState):
     if config.axis_name is not None:
         _check_axis_bound(config.axis_name)
     mp = maybe_find_state(state.opt_state)
-    if mp is not None and not _same_policy(mp.policy, state.policy):
-        raise ValueError(f"state.policy {state.policy} differs from the policy {mp.policy} "
-                         "that the optimizer state carries; build the state with "
-                         "jaxamp.TrainState.create(params=..., tx=tx)")
-    if mp is None and state.policy.is_mixed:
-        raise ValueError(f"policy {state.policy} keeps a master copy but the optimizer is a "
-                         "plain optax transform; wrap it: jaxamp.mixed_precision(tx, policy)")
+    _resolve_policy(state.policy, mp)  # the checks of TrainState.create, on this state
     return mp
 
 
