@@ -1,7 +1,8 @@
 """A small GPT written as a user writes it: flax NNX's layers with their defaults.
 
-``nnx.Embed``, ``nnx.MultiHeadAttention`` with ``nnx.make_causal_mask``, ``nnx.LayerNorm`` and
-``nnx.Linear``: fp32 params and no ``dtype=`` anywhere. Casting its params to bf16 does not make it
+``nnx.Embed`` (tokens and learned positions), ``nnx.MultiHeadAttention`` with
+``nnx.make_causal_mask``, ``nnx.LayerNorm`` and ``nnx.Linear``: fp32 params and no ``dtype=``
+anywhere. Casting its params to bf16 does not make it
 compute in bf16 (the causal mask and the norms promote the matmuls back to fp32);
 ``jaxamp.autocast`` does. Used by the autocast tests and ``python -m benchmarks autocast``.
 """
@@ -29,15 +30,16 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, vocab: int = 256, width: int = 64, depth: int = 2, heads: int = 4, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, vocab: int = 256, width: int = 64, depth: int = 2, heads: int = 4,
+                 max_len: int = 512, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        self.positions = nnx.Embed(max_len, width, rngs=rngs)
         self.blocks = nnx.List([Block(width, heads, rngs) for _ in range(depth)])
         self.ln = nnx.LayerNorm(width, rngs=rngs)
         self.head = nnx.Linear(width, vocab, rngs=rngs)
 
     def __call__(self, tokens_BxL):
-        x_BxLxD = self.embed(tokens_BxL)
+        x_BxLxD = self.embed(tokens_BxL) + self.positions(jnp.arange(tokens_BxL.shape[1]))
         mask = nnx.make_causal_mask(tokens_BxL)
         for block in self.blocks:
             x_BxLxD = block(x_BxLxD, mask)
@@ -45,10 +47,11 @@ class GPT(nnx.Module):
 
 
 def loss_and_params(vocab: int = 256, width: int = 64, depth: int = 2, heads: int = 4,
-                    seed: int = 0):
+                    max_len: int = 512, seed: int = 0):
     """``(loss_fn(params, batch), fp32 params)``: next-token cross-entropy in fp32 on
     ``batch["tokens"]`` (``[B, L + 1]`` int32)."""
-    graphdef, params = nnx.split(GPT(vocab, width, depth, heads, rngs=nnx.Rngs(seed)), nnx.Param)
+    graphdef, params = nnx.split(GPT(vocab, width, depth, heads, max_len, rngs=nnx.Rngs(seed)),
+                                 nnx.Param)
 
     def loss_fn(params, batch):
         logits_BxLxV = nnx.merge(graphdef, params)(batch["tokens"][:, :-1])
