@@ -273,8 +273,120 @@ def _linen_resnet_loss():
     return loss_fn, variables["params"], {"x": x, "y": jnp.arange(4) % 10}
 
 
+def _nnx_scan_loss():
+    """Layers stacked with ``nnx.vmap`` and run with ``nnx.scan``: flax's scan-over-layers."""
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.norm = nnx.LayerNorm(16, rngs=rngs)
+            self.linear = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jax.nn.gelu(self.linear(self.norm(x)))
+
+    class Stack(nnx.Module):
+        def __init__(self, depth: int, rngs: nnx.Rngs):
+            @nnx.split_rngs(splits=depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return Block(rngs)
+            self.blocks = create(rngs)
+            self.head = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, block):
+                return block(x)
+            return self.head(body(x, self.blocks))[:, 0]
+
+    graphdef, params = nnx.split(Stack(3, nnx.Rngs(0)), nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def loss_fn(params, batch):
+        return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+    return loss_fn, params, {"x": x, "y": jnp.sin(x[:, 0])}
+
+
+def _linen_scan_loss():
+    """Linen ``nn.scan`` over encoder blocks, the carry starting in fp32."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.LayerNorm()(x)
+            h = nn.MultiHeadDotProductAttention(num_heads=2)(h, h)
+            x = x + h
+            return x + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x)))), None
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(64, 16)(tokens)
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=3)()(x, None)
+            return nn.Dense(64)(nn.LayerNorm()(x))
+
+    net = Encoder()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
+    params = net.init(jax.random.key(0), tokens)["params"]
+
+    def loss_fn(params, tokens):
+        logits = net.apply({"params": params}, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+    return loss_fn, params, tokens
+
+
+def _equinox_transformer_loss():
+    """An Equinox transformer block on one sequence, vmapped over the batch."""
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.LayerNorm
+        attention: eqx.nn.MultiheadAttention
+        norm2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, width, heads, key):
+            k1, k2 = jax.random.split(key)
+            self.norm1, self.norm2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+            self.attention = eqx.nn.MultiheadAttention(heads, width, key=k1)
+            self.mlp = eqx.nn.MLP(width, width, 4 * width, 1, activation=jax.nn.gelu, key=k2)
+
+        def __call__(self, x_LxD):
+            h = jax.vmap(self.norm1)(x_LxD)
+            x_LxD = x_LxD + self.attention(h, h, h)
+            return x_LxD + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x_LxD))
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Embedding
+        blocks: list
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, 4)
+            self.embed = eqx.nn.Embedding(64, 16, key=keys[0])
+            self.blocks = [Block(16, 2, k) for k in keys[1:3]]
+            self.head = eqx.nn.Linear(16, 64, key=keys[3])
+
+        def __call__(self, tokens_L):
+            x = jax.vmap(self.embed)(tokens_L)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(x)
+
+    params, static = eqx.partition(Model(jax.random.key(0)), eqx.is_inexact_array)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
+
+    def loss_fn(params, tokens):
+        logits = jax.vmap(eqx.combine(params, static))(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+    return loss_fn, params, tokens
+
+
 MODELS = {"nnx_gpt": _gpt_loss, "linen_encoder": _linen_encoder_loss,
-          "equinox_mlp": _equinox_loss, "linen_resnet_bn": _linen_resnet_loss}
+          "equinox_mlp": _equinox_loss, "linen_resnet_bn": _linen_resnet_loss,
+          "nnx_scan_over_layers": _nnx_scan_loss, "linen_scan_over_layers": _linen_scan_loss,
+          "equinox_transformer": _equinox_transformer_loss}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -424,3 +536,18 @@ def test_explain_overflow_and_audit_see_through_an_autocast_loss():
     assert report.first_forward.layer == "layer2"
     assert jaxamp.audit(jaxamp.autocast(loss_fn, "mixed_float16"), state.params,
                         batch).share("float16") == 1.0
+
+
+@pytest.mark.parametrize("name", ["nnx_scan_over_layers", "linen_scan_over_layers"])
+def test_scan_over_layers_stays_a_scan_with_an_fp32_carry(name):
+    loss_fn, params, batch = MODELS[name]()
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(loss_fn))(params, batch)
+    scans = [e for e, _ in _jaxpr.walk(jaxpr) if e.primitive.name == "scan"]
+    assert scans, "the layers were unrolled"
+    num_carry = scans[0].params["num_carry"]
+    carry_dtypes = {jnp.dtype(v.aval.dtype) for v in scans[0].outvars[:num_carry]
+                    if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+    assert carry_dtypes == {jnp.dtype(F32)}   # the residual stream, as the user wrote it
+    body = scans[0].params["jaxpr"]
+    assert {d for e, _ in _jaxpr.walk(body) if e.primitive.name == "dot_general"
+            for d in (jnp.dtype(v.aval.dtype).name for v in e.invars)} == {"bfloat16"}
