@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--task", choices=("digits", "text", "mlm", "synthetic_images",
                                        "synthetic_text"))
     ap.add_argument("--model", help="resnet18, resnet50, resnet18_small, resnet50_small, "
-                                    "bert_tiny, bert_base, bert_large, gpt_tiny, gpt_small")
+                                    "bert_tiny, bert_base, bert_large, gpt_tiny, gpt_small, "
+                                    "nnx_gpt_tiny (a user's NNX GPT, for --autocast)")
     ap.add_argument("--precision", choices=PRECISIONS)
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--accum-steps", type=int)

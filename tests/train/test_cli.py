@@ -1,5 +1,6 @@
 """The training CLI end to end, on tiny configurations."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -8,11 +9,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import ROOT
 from helpers import final_state as _final_state
 
+import jaxamp
 from train import cli
 from train import train as train_lib
 
@@ -56,6 +59,25 @@ def test_autocast_flag_trains_under_jaxamp_autocast(tmp_path):
     # The reference GPT is already mixed-precision clean: autocast keeps its numerics.
     np.testing.assert_allclose(summary["eval_loss"], plain["eval_loss"], rtol=2e-2)
 
+
+
+def test_the_users_nnx_gpt_trains_in_bf16_only_under_autocast(tmp_path):
+    summary = _run(tmp_path, "--task", "text", "--model", "nnx_gpt_tiny", "--seq-len", "16",
+                   "--precision", "mixed_bfloat16", "--autocast")
+    assert summary["steps"] == 3 and np.isfinite(summary["eval_loss"])
+    from train.configs import tiny
+    config = tiny.get_config()
+    policy = jaxamp.get_policy("mixed_bfloat16")
+    params, _, loss_fn, _, _ = train_lib.build_model(
+        dataclasses.replace(config, task="text", model="nnx_gpt_tiny"), policy, {"vocab": 256})
+    working = policy.cast_params_to_compute(params)
+    batch = {"tokens": jnp.zeros((2, 17), jnp.int32)}
+
+    def loss(p, b):
+        return loss_fn(p, b)[0]
+    assert jaxamp.audit_grad(loss, working, batch).share("bfloat16") == 0.0   # the trap
+    assert jaxamp.audit_grad(jaxamp.autocast(loss, policy), working,
+                             batch).share("bfloat16") >= 0.99
 
 def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
     args = ["--precision", "mixed_float16", "--steps", "10", "--checkpoint-every", "5",

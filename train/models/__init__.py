@@ -26,10 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import jaxamp
 from jaxamp.ops import softmax_cross_entropy
+from train.models import nnx_gpt
 from train.models.layers import F32
 from train.models.resnet import CONFIGS as RESNET_CONFIGS
 from train.models.resnet import ResNet
@@ -53,6 +55,9 @@ MODELS: dict[str, tuple[str, Any]] = {
                                                      num_classes=10)),
     **{name: ("bert", cfg) for name, cfg in BERT_CONFIGS.items()},
     **{name: ("gpt", cfg) for name, cfg in GPT_CONFIGS.items()},
+    # The user's GPT (train/models/nnx_gpt.py: flax NNX layers with their defaults, fp32, no
+    # dtype=) at gpt_tiny's shape: what --autocast is for.
+    "nnx_gpt_tiny": ("nnx_gpt", GPT_CONFIGS["gpt_tiny"]),
 }
 
 
@@ -90,7 +95,10 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
       name: one of ``MODELS``: ``resnet18``, ``resnet50`` (ImageNet stem, 1000 classes),
         ``resnet18_small``, ``resnet50_small`` (3x3 stem without pooling, 10 classes),
         ``bert_tiny``, ``bert_base``, ``bert_large`` (MLM head; vocabulary 30522 for base and
-        large, 256 for tiny), ``gpt_tiny``, ``gpt_small`` (byte vocabulary 256).
+        large, 256 for tiny), ``gpt_tiny``, ``gpt_small`` (byte vocabulary 256), and
+        ``nnx_gpt_tiny``: a GPT written as a user writes it (``train/models/nnx_gpt.py``),
+        which computes in fp32 whatever the policy unless the loss runs under
+        ``jaxamp.autocast``.
       policy: anything ``jaxamp.get_policy`` accepts.
       num_classes: the ResNet classifier's size.
       vocab: a transformer's vocabulary size.
@@ -109,6 +117,12 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
         return ResNet(config, dtype=dtype, rngs=rngs)
     if family == "bert":
         return BertMLM(config, dtype=dtype, rngs=rngs)
+    if family == "nnx_gpt":
+        if config.mlp != 4 * config.width:
+            raise ValueError(f"{name!r} has mlp = 4 * width; got mlp={config.mlp}, "
+                             f"width={config.width}")
+        return nnx_gpt.GPT(config.vocab, config.width, config.depth, config.heads,
+                           config.max_len, rngs=rngs)
     return GPT(config, dtype=dtype, rngs=rngs)
 
 
@@ -209,6 +223,11 @@ def lm_loss(graphdef: nnx.GraphDef) -> Callable:
         else:
             tokens, targets = tokens[:, :-1], tokens[:, 1:]
             mask = None if mask is None else mask[:, 1:]
+        if isinstance(model, nnx_gpt.GPT):   # the user's model, with the user's loss
+            logits = model(tokens).astype(jnp.float32)
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            return (_weighted_mean(losses, mask),
+                    {"accuracy": _weighted_mean(logits.argmax(-1) == targets, mask)})
         logits = model(tokens, logits_dtype=None)
         return _token_loss(logits, targets, mask)
     return loss_fn
