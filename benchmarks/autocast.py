@@ -11,10 +11,18 @@ runs three ways: fp32; its params cast to bf16 (jmp's recipe, the promotion trap
 ``jaxamp.audit_grad`` gives the matmul FLOPs by dtype (forward and backward), the
 precision-sensitive ops left in half precision, and the activation bytes saved for backward. The
 trace + compile time of a whole train step with and without autocast is timed on (a).
+
+Model (c) also runs in PyTorch, as its twin of ``benchmarks/peers/pytorch_saved.py`` (the same
+layers and parameters), once in fp32 and once under ``torch.autocast("cpu", bfloat16)``: one
+forward and loss, whose saved tensors ``saved_tensors_hooks`` counts (needs torch; the rows say
+they were skipped without it). Both sides count activations only: jaxamp's audit leaves out the
+arguments (the bf16 working params) and the tokens, the torch rows leave out the params,
+autocast's bf16 copies of them and the tokens.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 
@@ -39,11 +47,60 @@ def _gpt(tiny: bool):
     return loss_fn, params, {"tokens": tokens}
 
 
-def _linen(kind: str, tiny: bool):
+def _linen_model(kind: str, tiny: bool):
+    """``(the Linen model, its case of benchmarks.memory)``."""
     case = next(c for c in memory._cases(tiny).values() if c["kind"] == kind)
-    model = case["linen"](norm_dtype=jnp.float32) if kind == "text" else case["linen"]()
+    return (case["linen"](norm_dtype=jnp.float32) if kind == "text" else case["linen"]()), case
+
+
+def _linen(kind: str, tiny: bool):
+    model, case = _linen_model(kind, tiny)
     loss, params, x = memory._linen_loss(model, case)
     return loss, params, x
+
+
+TORCH_VARIANTS = {"PyTorch fp32": False, "PyTorch autocast": True}  # variant: autocast on
+
+
+def _torch_saved(tiny: bool) -> dict[str, dict]:
+    """What the PyTorch twin of (c) saves for backward, by variant: ``{"activations",
+    "params", "inputs"}`` bytes by dtype, and ``"param_count"``."""
+    import torch
+
+    from benchmarks.peers import pytorch_saved
+    model, case = _linen_model("text", tiny)
+    twin = pytorch_saved.linen_encoder_twin(
+        **{k: getattr(model, k) for k in ("vocab", "width", "depth", "heads", "mlp")})
+    tokens = torch.zeros(case["shape"], dtype=torch.int64)  # the jax batch: zeros
+    return {variant: {**pytorch_saved.saved_bytes(twin, tokens, amp),
+                      "param_count": pytorch_saved.param_count(twin)}
+            for variant, amp in TORCH_VARIANTS.items()}
+
+
+def _mb(by_dtype: dict[str, int]) -> dict[str, float]:
+    return {k: v / 1e6 for k, v in sorted(by_dtype.items())}
+
+
+def _torch_rows(model: str, tiny: bool, jax_rows: list[dict], params) -> list[dict]:
+    """The PyTorch rows of (c); adds ``vs_torch_autocast`` to ``jax_rows`` (those of (c))."""
+    if importlib.util.find_spec("torch") is None:
+        return [{"model": model, "variant": variant, "skipped": "torch is not installed"}
+                for variant in TORCH_VARIANTS]
+    saved = _torch_saved(tiny)
+    total = {k: sum(v["activations"].values()) for k, v in saved.items()}
+    ref = total["PyTorch autocast"]
+    for r in jax_rows:
+        r["vs_torch_autocast"] = r["saved_mb"] * 1e6 / ref
+    flax_count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    return [{"model": model, "variant": variant, "saved_mb": total[variant] / 1e6,
+             "saved_vs_fp32": total[variant] / total["PyTorch fp32"],
+             "vs_torch_autocast": total[variant] / ref,
+             "saved_mb_by_dtype": _mb(s["activations"]),
+             "param_saved_mb": sum(s["params"].values()) / 1e6,
+             "param_saved_mb_by_dtype": _mb(s["params"]),
+             "input_saved_mb": sum(s["inputs"].values()) / 1e6,
+             "param_count": s["param_count"], "flax_param_count": flax_count,
+             "label": f"{model.split(')')[0]}) {variant}"} for variant, s in saved.items()]
 
 
 def _equinox(tiny: bool):
@@ -74,7 +131,14 @@ def _row(model: str, variant: str, report: jaxamp.AuditReport, fp32_saved: int) 
             "fp32_share": report.fp32_matmul_share,
             "half_sensitive_ops": len(report.half_sensitive_ops),
             "saved_mb": report.saved_bytes / 1e6, "saved_vs_fp32": report.saved_bytes / fp32_saved,
+            "saved_mb_by_dtype": _mb(report.saved_bytes_by_dtype),
             "label": f"{model.split(')')[0]}) {variant}"}
+
+
+def _param_note(rows: list[dict]) -> str:
+    """`` (N MB under autocast)``: the param bytes the torch rows leave out, when they ran."""
+    torch_ac = [r for r in rows if r["variant"] == "PyTorch autocast" and "saved_mb" in r]
+    return f" ({torch_ac[0]['param_saved_mb']:.4g} MB under autocast)" if torch_ac else ""
 
 
 def _compile_seconds(loss_fn, params, batch, autocast: bool, rounds: int) -> float:
@@ -100,6 +164,8 @@ def run(args) -> list[dict]:
                                ("jaxamp.autocast", jaxamp.autocast(loss, policy), working)):
             report = fp32 if variant == "fp32" else jaxamp.audit_grad(fn, p, batch)
             rows.append(_row(model, variant, report, fp32.saved_bytes))
+        if model.startswith("(c)"):
+            rows += _torch_rows(model, args.tiny, rows[-3:], params)
     loss, params, batch = _gpt(tiny=True)
     timed: dict[bool, list[float]] = {}
     order = (False, True) if args.tiny else (False, True, False, True)  # interleaved
@@ -110,12 +176,20 @@ def run(args) -> list[dict]:
     header = (f"{harness.machine()}; abstract traces, nothing runs. `bf16_share`: matmul/conv "
               "FLOPs of the forward and backward pass with bf16 operands; `half_sensitive_ops`: "
               "exp, log, sums and the like left in half precision; `saved_vs_fp32`: activation "
-              "bytes saved for backward against the fp32 model. Trace + compile of the whole "
+              "bytes saved for backward against the fp32 model of the same code. The PyTorch "
+              "rows run the twin of (c) (benchmarks/peers/pytorch_saved.py) on the CPU, fp32 "
+              "and under torch.autocast(bfloat16), one forward and loss counted by "
+              "saved_tensors_hooks, one count per storage. `saved_mb` is activations only on "
+              "both sides: jaxamp's audit leaves out the arguments (the bf16 working params) "
+              "and the tokens; the torch rows leave out the params, autocast's bf16 copies of "
+              f"them{_param_note(rows)} and the tokens. `vs_torch_autocast`: saved_mb against "
+              "PyTorch autocast's. Trace + compile of the whole "
               f"train step of (a) at the tiny size: {plain:.2f} s without autocast, {cast:.2f} s "
               f"with it, {cast / plain:.2f}x (median of {len(timed[True])} interleaved "
               "compiles each).")
     harness.write_outputs("autocast", rows, ["model", "variant", "bf16_share", "fp32_share",
-                                             "half_sensitive_ops", "saved_mb", "saved_vs_fp32"],
+                                             "half_sensitive_ops", "saved_mb", "saved_vs_fp32",
+                                             "vs_torch_autocast"],
                           args.out, ("label", "saved_vs_fp32"), header)
     rows.append({"model": "(a) tiny", "variant": "trace+compile", "plain_s": plain,
                  "autocast_s": cast, "ratio": cast / plain})

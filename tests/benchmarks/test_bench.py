@@ -1,6 +1,7 @@
 """The benchmark suites (``python -m benchmarks``) run at a tiny size, write every field, and
 compare like with like."""
 
+import importlib.util
 import json
 
 import jax
@@ -150,7 +151,8 @@ def test_bench_layout_counts_the_bytes_of_each_instruction(capsys):
 
 def test_autocast_suite_meets_the_dtype_goals_on_users_models(tiny_runs):
     out, results = tiny_runs
-    rows = read_jsonl(out / "autocast.jsonl")
+    rows = [r for r in read_jsonl(out / "autocast.jsonl")
+            if not r["variant"].startswith("PyTorch")]
     assert len(rows) == 12  # four models, three variants each
     by = {(r["model"].split(")")[0], r["variant"]): r for r in rows}
     for model in ("(a", "(b", "(c", "(d"):
@@ -161,3 +163,26 @@ def test_autocast_suite_meets_the_dtype_goals_on_users_models(tiny_runs):
         assert ac["saved_vs_fp32"] < min(1.0, trap["saved_vs_fp32"])
     timing = results["autocast"][-1]
     assert timing["variant"] == "trace+compile" and timing["ratio"] > 0
+
+
+def test_autocast_suite_counts_what_torch_autocast_saves_on_the_twin_of_c(tiny_runs):
+    out, _ = tiny_runs
+    rows = [r for r in read_jsonl(out / "autocast.jsonl") if r["model"].startswith("(c)")]
+    by = {r["variant"]: r for r in rows}
+    torch_rows = [by["PyTorch fp32"], by["PyTorch autocast"]]
+    if importlib.util.find_spec("torch") is None:
+        assert all(r["skipped"] == "torch is not installed" for r in torch_rows)
+        return
+    fp32, ac = torch_rows
+    for r in torch_rows:  # the twin has the Linen model's parameters, one for one
+        assert r["param_count"] == r["flax_param_count"] > 0
+        assert r["saved_mb"] > 0 and r["param_saved_mb"] > 0 and r["input_saved_mb"] > 0
+        assert sum(r["saved_mb_by_dtype"].values()) == pytest.approx(r["saved_mb"])
+    assert fp32["saved_vs_fp32"] == 1.0 and ac["vs_torch_autocast"] == 1.0
+    assert set(fp32["saved_mb_by_dtype"]) == {"float32"}
+    assert ac["saved_mb_by_dtype"]["bfloat16"] > 0 and ac["saved_mb"] < fp32["saved_mb"]
+    # Autocast saves the bf16 copies of the weights, fp32 saves the fp32 weights themselves.
+    assert set(ac["param_saved_mb_by_dtype"]) == {"bfloat16", "float32"}  # float32: norms
+    assert ac["param_saved_mb"] < fp32["param_saved_mb"]
+    jax_ac = by["jaxamp.autocast"]
+    assert jax_ac["vs_torch_autocast"] == pytest.approx(jax_ac["saved_mb"] / ac["saved_mb"])
