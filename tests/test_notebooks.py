@@ -23,6 +23,7 @@ def test_the_notebooks_are_there():
         "02_fp16_loss_scaling.ipynb",
         "03_bf16_fp16_fp32.ipynb",
         "04_memory_and_audit.ipynb",
+        "05_autocast.ipynb",
     ]
 
 
