@@ -9,6 +9,7 @@ from typing import Any
 
 import benchmarks
 from benchmarks import autocast
+from benchmarks import autocast_step
 from benchmarks import cpu_dtypes
 from benchmarks import cpu_flags
 from benchmarks import gpu
@@ -20,7 +21,7 @@ from benchmarks import torch_amp
 
 SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
           "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
-          "autocast": autocast}
+          "autocast": autocast, "autocast_step": autocast_step}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 
 

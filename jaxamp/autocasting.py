@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -85,6 +86,22 @@ DEFAULT_RULES: Mapping[str, str] = {
     **{name: "original" for name in _ORIGINAL},
 }
 """The rule of every primitive that does not ``promote``: see the module docstring."""
+
+# Outputs kept for the backward pass under ``recompute=True``: the matmuls', and those of the
+# few other ops that are costly to run twice (collectives, sorts, FFTs, linear algebra,
+# pooling windows). Everything else between them is recomputed from these.
+_SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "psum", "psum_invariant", "pmax",
+                    "pmin", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
+                    "reduce_scatter", "psum_scatter", "sort", "top_k", "fft", "cholesky", "lu",
+                    "qr", "eigh", "svd", "triangular_solve", "reduce_window_sum",
+                    "reduce_window_max", "reduce_window_min", "reduce_window", "cumsum",
+                    "cumlogsumexp", "cumprod", "cummax", "cummin"))
+
+
+def _saveable(prim: Any, *_: Any, **__: Any) -> bool:
+    """The ``jax.checkpoint`` policy of ``recompute=True``."""
+    return prim.name in _SAVED
+
 
 _RULE_NAMES = ("compute", "float32", "promote", "original")
 _FULL_PRECISION = "jaxamp_full_precision"
@@ -121,7 +138,7 @@ def full_precision(fn: Callable) -> Callable:
 
 def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
              rules: Mapping[str, str] | None = None,
-             fp32_scopes: Sequence[str] = ()) -> Callable:
+             fp32_scopes: Sequence[str] = (), recompute: bool = True) -> Callable:
     """Runs ``fn`` under per-op dtype rules: matmuls in the compute dtype, precision-sensitive
     ops in fp32 (see the module docstring for the lists).
 
@@ -134,7 +151,15 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
       rules: per-primitive overrides, ``{"exp": "compute"}``; a rule is one of ``compute``,
         ``float32``, ``promote`` or ``original``.
       fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
-        run in fp32, matmuls included.
+        run in fp32, matmuls included. Linen modules open a scope named after the module;
+        NNX modules and Equinox open none (use ``jax.named_scope`` there). A scope that
+        matches no op is warned about.
+      recompute: keep only the matmuls' outputs for the backward pass (and those of the few
+        other ops that are costly to run twice: collectives, sorts, FFTs, pooling windows),
+        and recompute the elementwise ops between them, as PyTorch's fused GELU, softmax and
+        norms keep only their inputs. ``False`` keeps JAX's default: every intermediate the
+        derivative reads (a tanh GELU alone saves six tensors of its input's size). Functions
+        with side effects (``jax.debug.print``, callbacks) are never recomputed.
 
     Returns:
       A function with ``fn``'s signature.
@@ -172,9 +197,16 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         arrays = [leaves[i] for i in traced]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
-        ctx = dataclasses.replace(context, upcasts={})
-        outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), arrays, "")
-        outs = [_cast(x, policy.output_dtype) for x in outs]
+
+        def evaluate(*arrays):
+            ctx = dataclasses.replace(context, upcasts={}, scopes_seen={})
+            outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
+            _warn_unmatched_scopes(ctx)
+            return [_cast(x, policy.output_dtype) for x in outs]
+        # Only under a half compute dtype; an effect would run again in the backward pass.
+        if recompute and context.regions and not closed.effects:
+            evaluate = jax.checkpoint(evaluate, policy=_saveable)
+        outs = evaluate(*arrays)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
 
@@ -219,15 +251,33 @@ class _Context:
     all_float32: bool = False  # inside an fp32 region
     # id(fp32 value) -> (that value, the half-precision value it was upcast from), per call.
     upcasts: dict = dataclasses.field(default_factory=dict, compare=False)
+    # The name scopes seen, and whether any op fell in ``fp32_scopes``, per call.
+    scopes_seen: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
             return "original"
         if self.all_float32:
             return "float32"
-        if self.fp32_scopes and _in_scopes(stack, self.fp32_scopes):
-            return "float32!"  # every op, matmuls included
+        if self.fp32_scopes:
+            matched = _in_scopes(stack, self.fp32_scopes)
+            self.scopes_seen[stack] = self.scopes_seen.get(stack, False) or matched
+            if matched:
+                return "float32!"  # every op, matmuls included
         return self.rules.get(eqn.primitive.name, "promote")
+
+
+def _warn_unmatched_scopes(ctx: _Context) -> None:
+    if not ctx.fp32_scopes or any(ctx.scopes_seen.values()):
+        return
+    seen = sorted({s for s in ctx.scopes_seen if s})
+    shown = ", ".join(repr(s) for s in seen[:8]) + (", ..." if len(seen) > 8 else "")
+    warnings.warn(
+        f"autocast: fp32_scopes={ctx.fp32_scopes!r} matched no op, so nothing runs in fp32 "
+        f"because of them; the name scopes in this function are: {shown or 'none'}. Flax Linen "
+        "modules open a scope named after the module; NNX modules and Equinox open none, so "
+        "wrap the code in `with jax.named_scope('head'):` or use jaxamp.full_precision",
+        UserWarning, stacklevel=4)
 
 
 def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:

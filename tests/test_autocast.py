@@ -1,5 +1,7 @@
 """Tests of jaxamp.autocast: per-op dtype rules on any unmodified JAX, Flax or Equinox model."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +108,7 @@ def test_constants_follow_and_the_widest_traced_input_wins():
     b = jnp.ones((4, 8), F32)
     follow, widest = ac(W, X, b)
     assert follow.dtype == BF16 and widest.dtype == BF16  # outputs cast to output_dtype
-    adds = [e for e in jax.make_jaxpr(ac)(W, X, b).eqns if e.primitive.name == "add"]
+    adds = [e for e in eqns(ac, W, X, b) if e.primitive.name == "add"]
     assert [jnp.dtype(e.outvars[0].aval.dtype).name for e in adds] == ["bfloat16", "float32"]
 
 
@@ -170,8 +172,7 @@ def test_a_scan_over_layers_keeps_its_fp32_carry_and_runs_bf16_matmuls():
         return h
 
     ac = jaxamp.autocast(f)
-    jaxpr = jax.make_jaxpr(ac)(ws, X)
-    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    scan = next(e for e in eqns(ac, ws, X) if e.primitive.name == "scan")
     carry = scan.outvars[0].aval
     assert carry.dtype == F32  # invariant: the carry keeps its initial dtype
     assert matmul_dtypes(ac, ws, X) == {"bfloat16"}
@@ -551,3 +552,55 @@ def test_scan_over_layers_stays_a_scan_with_an_fp32_carry(name):
     body = scans[0].params["jaxpr"]
     assert {d for e, _ in _jaxpr.walk(body) if e.primitive.name == "dot_general"
             for d in (jnp.dtype(v.aval.dtype).name for v in e.invars)} == {"bfloat16"}
+
+
+def test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass():
+    w1 = jax.random.normal(jax.random.key(0), (16, 64)) * 0.1
+    w2 = jax.random.normal(jax.random.key(1), (64, 8)) * 0.1
+
+    def f(w1, w2, x):   # a tanh GELU alone saves six tensors of its input's size
+        return jnp.mean(jax.nn.gelu(x @ w1) @ w2)
+
+    saved = jaxamp.audit_grad(jaxamp.autocast(f), w1, w2, X).saved_bytes_by_dtype
+    assert saved == {"bfloat16": X.shape[0] * 64 * 2}   # x @ w1, in bf16: nothing else
+    kept = jaxamp.audit_grad(jaxamp.autocast(f, recompute=False), w1, w2, X).saved_bytes
+    assert kept >= 5 * X.shape[0] * 64 * 2
+    g = jax.grad(jaxamp.autocast(f), argnums=(0, 1))(w1, w2, X)
+    g_kept = jax.grad(jaxamp.autocast(f, recompute=False), argnums=(0, 1))(w1, w2, X)
+    for a, b in zip(g, g_kept, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_a_function_with_effects_is_not_recomputed(capsys):
+    def f(w, x):
+        jax.debug.print("forward")
+        return jnp.mean(jnp.tanh(x @ w))
+    jax.block_until_ready(jax.grad(jaxamp.autocast(f))(W, X))
+    assert capsys.readouterr().out.count("forward") == 1
+
+
+def test_an_fp32_scope_that_matches_nothing_is_warned_about():
+    class Net(nnx.Module):     # NNX modules open no name scope of their own
+        def __init__(self):
+            self.body = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+            self.head = nnx.Linear(8, 1, rngs=nnx.Rngs(1))
+
+        def __call__(self, x, scoped=False):
+            h = self.body(x)
+            if scoped:
+                with jax.named_scope("head"):
+                    return self.head(h)
+            return self.head(h)
+
+    graphdef, params = nnx.split(Net(), nnx.Param)
+
+    def f(p, x, scoped):
+        return jnp.mean(nnx.merge(graphdef, p)(x, scoped))
+    with pytest.warns(UserWarning, match=r"fp32_scopes=\('head',\) matched no op.*named_scope"):
+        jax.make_jaxpr(jaxamp.autocast(f, fp32_scopes=("head",)), static_argnums=2)(
+            params, X, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = jaxamp.audit_grad(jaxamp.autocast(lambda p, x: f(p, x, True),
+                                                   fp32_scopes=("head",)), params, X)
+    assert 0 < report.share("float32") < 0.5     # the head's matmuls, forward and backward
