@@ -7,8 +7,8 @@ the reference model ``train/models/transformer.py``, hand-written for mixed prec
 LayerNorm, softmax, GELU and cross-entropy through ``jaxamp.ops``), trained with
 ``make_train_step`` under ``mixed_bfloat16``; and the user's model ``train/models/nnx_gpt.py``
 (flax NNX layers with their defaults, no ``dtype=``) with ``make_train_step(..., autocast=True)``.
-The user's model without autocast (the promotion trap) and in fp32 are timed beside them for
-scale. Every step is jitted with its state donated, and timed interleaved; the ratios are
+The reference under autocast isolates what autocast itself costs on one architecture; the user's
+model without autocast (the promotion trap) and in fp32 are timed beside them for scale. Every step is jitted with its state donated, and timed interleaved; the ratios are
 paired round by round against the reference. XLA's flops and bytes accessed, the matmul FLOPs
 and the saved activation bytes (``jaxamp.audit_grad``) are deterministic.
 
@@ -70,6 +70,7 @@ def variants(tiny: bool):
     batch = {"tokens": jnp.asarray(tokens, jnp.int32)}
     specs = {"reference, mixed_bfloat16": ("gpt_tiny", "mixed_bfloat16", False),
              "user's model + autocast": ("nnx_gpt_tiny", "mixed_bfloat16", True),
+             "reference + autocast": ("gpt_tiny", "mixed_bfloat16", True),
              "user's model, mixed_bfloat16 (trap)": ("nnx_gpt_tiny", "mixed_bfloat16", False),
              "user's model, fp32": ("nnx_gpt_tiny", "float32", False)}
     built = {k: _variant(m, p, overrides, batch, autocast=a) for k, (m, p, a) in specs.items()}

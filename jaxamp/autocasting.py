@@ -61,6 +61,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import source_info_util
 
 from jaxamp._jaxpr import Literal
@@ -98,9 +99,15 @@ _SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "psum", "psum_invariant"
                     "cumlogsumexp", "cumprod", "cummax", "cummin"))
 
 
-def _saveable(prim: Any, *_: Any, **__: Any) -> bool:
-    """The ``jax.checkpoint`` policy of ``recompute=True``."""
-    return prim.name in _SAVED
+_OPERAND = "jaxamp_matmul_operand"
+_VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+          "expand_dims", "copy", "copy_p")
+
+
+def _saveable(prim: Any, *_: Any, **params: Any) -> bool:
+    """The ``jax.checkpoint`` policy of ``recompute=True``: the outputs of ``_SAVED`` ops and
+    the matmuls' operands (named ``_OPERAND``), which their transposes read."""
+    return prim.name in _SAVED or (prim.name == "name" and params.get("name") == _OPERAND)
 
 
 _RULE_NAMES = ("compute", "float32", "promote", "original")
@@ -198,13 +205,16 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         arrays = [leaves[i] for i in traced]
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
 
+        recomputed = recompute and context.regions and not closed.effects
+
         def evaluate(*arrays):
-            ctx = dataclasses.replace(context, upcasts={}, scopes_seen={})
+            ctx = dataclasses.replace(context, upcasts={}, scopes_seen={},
+                                      cheap={id(a): a for a in arrays} if recomputed else None)
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             _warn_unmatched_scopes(ctx)
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.
-        if recompute and context.regions and not closed.effects:
+        if recomputed:
             evaluate = jax.checkpoint(evaluate, policy=_saveable)
         outs = evaluate(*arrays)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -253,6 +263,9 @@ class _Context:
     upcasts: dict = dataclasses.field(default_factory=dict, compare=False)
     # The name scopes seen, and whether any op fell in ``fp32_scopes``, per call.
     scopes_seen: dict = dataclasses.field(default_factory=dict, compare=False)
+    # recompute=True: id -> value of the arguments and their casts and views, per call. A
+    # matmul operand among them is not saved for backward: it is there already, or cheap.
+    cheap: dict | None = dataclasses.field(default=None, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
@@ -342,6 +355,9 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
                 and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
             ctx.upcasts[id(outs[0])] = (outs[0], invals[0])
+        if (ctx.cheap is not None and eqn.primitive.name in _VIEWS and invals
+                and id(invals[0]) in ctx.cheap):
+            ctx.cheap[id(outs[0])] = outs[0]
     for v, x in zip(eqn.outvars, outs, strict=True):
         env[v] = x
 
@@ -576,7 +592,14 @@ def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
         return [_cast(x, v.aval.dtype) if is_floating_array(x) else x
                 for x, v in zip(invals, eqn.invars, strict=True)]
     if rule == "compute":
-        return [_cast(_downcast_source(ctx, x), ctx.compute) for x in invals]
+        outs = []
+        for x in invals:
+            source = _downcast_source(ctx, x)
+            out = _cast(source, ctx.compute)
+            if ctx.cheap is not None and (id(x) in ctx.cheap or id(source) in ctx.cheap):
+                ctx.cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
+            outs.append(out)
+        return outs
     if rule in ("float32", "float32!"):
         return [_cast(x, jnp.float32) for x in invals]
     # promote: the widest floating input, weakly typed constants aside.
@@ -669,6 +692,9 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
         elif rule == "promote" and params["preferred_element_type"] is not None:
             float_in = [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
             params["preferred_element_type"] = functools.reduce(_wider, float_in)
+    if ctx.cheap is not None and eqn.primitive.name in _MATMULS:
+        invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x) and id(x) not in ctx.cheap
+                  else x for x in invals]
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     return out if eqn.primitive.multiple_results else [out]
 
@@ -689,7 +715,12 @@ def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
         invals[n_consts + n_carry:]
     body = _body(ctx, p["jaxpr"], stack)
 
+    cheap_xs = [ctx.cheap is not None and id(x) in ctx.cheap for x in xs]
+
     def step(carry, x):
+        for xi, c in zip(x, cheap_xs, strict=True):
+            if c:
+                ctx.cheap[id(xi)] = xi  # type: ignore[index]
         outs = body(*consts, *carry, *x)
         return _cast_like(outs[:n_carry], init), outs[n_carry:]
 
