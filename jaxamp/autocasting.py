@@ -41,6 +41,15 @@ value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dt
 evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
 be kept for a bf16 body.
 
+Memory: an fp32 region (a norm's statistics, a softmax, a loss) is computed under
+``jax.checkpoint`` from its half-precision inputs and hands its results on in the compute dtype,
+so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops' fp32 results. With
+``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
+``jax.checkpoint`` policy that keeps only the matmuls' operands and outputs (and those of
+collectives, sorts, FFTs, pools and cumulative ops): the elementwise chains between matmuls (a
+tanh GELU, a residual add, a mask) are recomputed in the backward pass, as PyTorch's fused GELU,
+softmax and norms keep only their inputs. The arguments and their casts are never saved.
+
 Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
 or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
 region that runs exactly as written (torch's ``autocast(enabled=False)``).
