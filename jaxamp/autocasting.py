@@ -216,16 +216,18 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         recomputed = recompute and context.regions and not closed.effects
 
+        scopes_seen: dict = {}
+
         def evaluate(*arrays):
-            ctx = dataclasses.replace(context, upcasts={}, scopes_seen={},
+            ctx = dataclasses.replace(context, upcasts={}, scopes_seen=scopes_seen,
                                       cheap={id(a): a for a in arrays} if recomputed else None)
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
-            _warn_unmatched_scopes(ctx)
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.
         if recomputed:
             evaluate = jax.checkpoint(evaluate, policy=_saveable)
         outs = evaluate(*arrays)
+        _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
 
@@ -289,17 +291,17 @@ class _Context:
         return self.rules.get(eqn.primitive.name, "promote")
 
 
-def _warn_unmatched_scopes(ctx: _Context) -> None:
-    if not ctx.fp32_scopes or any(ctx.scopes_seen.values()):
+def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...], scopes_seen: dict) -> None:
+    if not fp32_scopes or any(scopes_seen.values()):
         return
-    seen = sorted({s for s in ctx.scopes_seen if s})
+    seen = sorted({s for s in scopes_seen if s})
     shown = ", ".join(repr(s) for s in seen[:8]) + (", ..." if len(seen) > 8 else "")
     warnings.warn(
-        f"autocast: fp32_scopes={ctx.fp32_scopes!r} matched no op, so nothing runs in fp32 "
+        f"autocast: fp32_scopes={fp32_scopes!r} matched no op, so nothing runs in fp32 "
         f"because of them; the name scopes in this function are: {shown or 'none'}. Flax Linen "
         "modules open a scope named after the module; NNX modules and Equinox open none, so "
         "wrap the code in `with jax.named_scope('head'):` or use jaxamp.full_precision",
-        UserWarning, stacklevel=4)
+        UserWarning, stacklevel=3)
 
 
 def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
