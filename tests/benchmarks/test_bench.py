@@ -186,3 +186,23 @@ def test_autocast_suite_counts_what_torch_autocast_saves_on_the_twin_of_c(tiny_r
     assert ac["param_saved_mb"] < fp32["param_saved_mb"]
     jax_ac = by["jaxamp.autocast"]
     assert jax_ac["vs_torch_autocast"] == pytest.approx(jax_ac["saved_mb"] / ac["saved_mb"])
+
+
+def test_autocast_step_suite_compares_the_users_model_with_the_reference(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "autocast_step.jsonl")
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"reference, mixed_bfloat16", "user's model + autocast",
+                       "reference + autocast", "user's model, mixed_bfloat16 (trap)",
+                       "user's model, fp32"}
+    ref = by["reference, mixed_bfloat16"]
+    assert ref["time_vs_reference"] == 1.0 and ref["bytes_vs_reference"] == 1.0
+    for r in rows:
+        assert r["median_ms"] > 0 and r["saved_mb"] > 0 and r["gbytes_accessed"] > 0
+        # Same shapes: the two models run the same matmul FLOPs.
+        assert r["matmul_gflops"] == pytest.approx(ref["matmul_gflops"], rel=1e-9)
+    for name in ("user's model + autocast", "reference + autocast", "reference, mixed_bfloat16"):
+        assert by[name]["bf16_share"] >= 0.99
+    assert by["user's model, mixed_bfloat16 (trap)"]["bf16_share"] == 0.0
+    # Autocast saves less than the trap, which saves more than fp32 would in bf16.
+    assert by["user's model + autocast"]["saved_mb"] < 0.5 * by["user's model, fp32"]["saved_mb"]
