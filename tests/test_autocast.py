@@ -607,3 +607,27 @@ def test_an_fp32_scope_that_matches_nothing_is_warned_about():
         report = jaxamp.audit_grad(jaxamp.autocast(lambda p, x: f(p, x, True),
                                                    fp32_scopes=("head",)), params, X)
     assert 0 < report.share("float32") < 0.5     # the head's matmuls, forward and backward
+
+
+def test_shard_map_inside_and_outside_an_autocast_function():
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    x = jnp.tile(X, (2, 1))   # 8 rows: one per device
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def per_device(w, x):        # the mean over devices of per-shard means
+        return lax.pmean(loss(w, x), "batch")
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())
+    one = jax.grad(jaxamp.autocast(loss))(W, x)
+    # autocast inside each shard, and a shard_map inside an autocast function (run as written).
+    inside_fn = jax.grad(jax.shard_map(
+        lambda w, x: lax.pmean(jaxamp.autocast(loss)(w, x), "batch"), mesh=mesh,
+        in_specs=(P(), P("batch")), out_specs=P()))
+    inside = inside_fn(W, x)
+    assert matmul_dtypes(inside_fn, W, x) == {"bfloat16"}
+    ops = operand_dtypes(jax.grad(jaxamp.autocast(sharded)), W, x)
+    np.testing.assert_allclose(inside, one, rtol=2e-2, atol=1e-3)
+    assert {d for _, d in ops} == {"float32"}   # the shard_map body's rules are its author's
+    np.testing.assert_allclose(jax.grad(jaxamp.autocast(sharded))(W, x), jax.grad(sharded)(W, x),
+                               rtol=1e-5)
