@@ -4,7 +4,7 @@
     python -m benchmarks memory                    # saved activations and optimizer-state bytes
     python -m benchmarks torch [--rounds 20]       # PyTorch autocast against jaxamp, alternated
     python -m benchmarks cpu_flags                 # the torch suite under each XLA:CPU option
-    python -m benchmarks gpu                       # throughput, MFU and peak memory on a GPU
+    python -m benchmarks gpu                       # throughput, MFU, memory on a GPU (gpu.sh)
     python -m benchmarks layout [--rounds 100]     # a step's bytes by kind of HLO instruction
     python -m benchmarks cpu_dtypes                # bf16 against fp32 kernels on the CPU
     python -m benchmarks long_fp16                 # 5000 fp16 steps of a cycling loss scale

@@ -58,6 +58,7 @@ def _suite_args(ap, suites, name: str, args: argparse.Namespace) -> argparse.Nam
     for key in _COMMON:
         setattr(ns, key, getattr(args, key))
     ns.suite = name
+    ns.via_all = args.suite == "all"
     module = SUITES[name]
     if ns.rounds is None:
         ns.rounds = 2 if ns.tiny else module.ROUNDS

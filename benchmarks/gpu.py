@@ -1,139 +1,824 @@
-"""Suite ``gpu``: throughput, MFU and peak memory of ResNet-50 and BERT-Large on a GPU.
+"""Suite ``gpu``: throughput, MFU and memory of ResNet-50, BERT-Large and a user's GPT on a GPU.
 
-    python -m benchmarks gpu [--steps 20]   # --tiny runs it on any device at a tiny size
+    bash benchmarks/gpu.sh                       # the whole suite in two halves, under $OUT
+    python -m benchmarks gpu [--models resnet50,bert_large,nnx_gpt] [--precisions ...]
+                             [--steps 20] [--seconds 5] [--append] [--render-only]
+    python -m benchmarks gpu --tiny              # every configuration at a tiny size, any device
 
-Each model under fp32 with TF32 off, fp32 with XLA's default precision (TF32), ``mixed_bfloat16``
-and ``mixed_float16``; then torchvision's ResNet-50 under PyTorch AMP when torch has CUDA.
+One row per configuration (model x precision), measured and appended to ``OUT/gpu.jsonl`` as soon
+as it is done; a configuration that fails writes a row with its error and the suite goes on. Each
+run also appends its versions, devices and measured matmul peaks to ``OUT/gpu_runs.jsonl``; at the
+end (or with ``--render-only``) the rows get their ratios and ``OUT/gpu.md`` and ``OUT/gpu.png``
+are written from both files.
+
+Precisions (each model runs its own in the order of ``MODEL_PRECISIONS``, what matters most
+first, so that a timeout cuts the least):
+
+* ``mixed_bfloat16``: ``make_train_step`` on ``jaxamp.mixed_precision(adamw, "mixed_bfloat16")``
+  with ``skip="cond"`` (what ``skip="auto"`` is); ``mixed_bfloat16_select``: the same with
+  ``skip="select"``; ``bare_bf16``: ``jax.value_and_grad`` and ``optax.adamw`` on the fp32 params
+  cast to bf16 in the loss: no master copy, no loss scale, no finite check, no skip;
+* ``fp32_default``: float32 under whatever default matmul precision the process has (read back
+  and printed); ``mixed_float16`` (dynamic loss scale); ``fp32_highest``: float32 under
+  ``jax.default_matmul_precision("highest")``;
+* ``autocast_bf16`` (the user's GPT only): ``make_train_step(..., autocast=True)``;
+* ``torch_amp_bf16``, ``torch_amp_fp16``, ``torch_compile_bf16`` (ResNet-50 only):
+  torchvision's ResNet-50 under ``torch.autocast``, eager with ``torch.optim.AdamW``'s defaults,
+  and one row under ``torch.compile``.
+
+Without a GPU and without ``--tiny`` the suite exits with an error (under ``all`` it says so and
+skips).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import sys
 import time
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jaxamp
 from benchmarks import harness
 from benchmarks.peers import pytorch_recipe
 
-ROUNDS = None  # timed in consecutive steps: --steps
-# Dense bf16/fp16 peak of an H100/H200 SXM, the denominator of MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
-GPU_PRECISIONS = {  # label: (policy, default matmul precision)
-    "fp32 strict (TF32 off)": ("float32", "highest"),
-    "fp32 default (TF32)": ("float32", "default"),
-    "mixed_bfloat16": ("mixed_bfloat16", "default"),
-    "mixed_float16": ("mixed_float16", "default"),
+ROUNDS = None  # timed in consecutive steps: --steps and --seconds
+SUITE = "gpu"
+WARMUP = 2  # untimed steps after the compile
+ROWS_FILE, RUNS_FILE = "gpu.jsonl", "gpu_runs.jsonl"
+
+# Dense datasheet peaks (FLOP/s) of the H100 and H200 SXM, which share the chip: bf16 and fp16
+# tensor cores, TF32 tensor cores, and fp32 without tensor cores.
+DATASHEET = {kind: {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12}
+             for kind in ("H100", "H200")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One way of training a model: what it runs, and which peak its MFU is quoted against."""
+
+    description: str
+    kind: str  # "jaxamp", "bare", "autocast", "torch"
+    policy: str | None = None  # the jaxamp policy (None: torch)
+    matmul_precision: str | None = None  # jax.default_matmul_precision(...); None: untouched
+    skip: str | None = None  # mixed_precision(skip=...)
+    peak: str = "bfloat16"  # the dtype of the matmuls: bfloat16, float16, float32
+    torch_compile: bool = False
+
+
+PRECISIONS = {
+    "mixed_bfloat16": Precision("jaxamp mixed_bfloat16, skip='cond' (what 'auto' is)", "jaxamp",
+                                "mixed_bfloat16", skip="cond"),
+    "mixed_bfloat16_select": Precision("jaxamp mixed_bfloat16, skip='select'", "jaxamp",
+                                       "mixed_bfloat16", skip="select"),
+    "bare_bf16": Precision("jax.value_and_grad + optax.adamw, params cast to bf16 in the loss; "
+                           "no master, scale, check or skip", "bare", "mixed_bfloat16"),
+    "fp32_default": Precision("float32, the process's default matmul precision", "jaxamp",
+                              "float32", skip="auto", peak="float32"),
+    "mixed_float16": Precision("jaxamp mixed_float16, dynamic loss scale, skip='auto'", "jaxamp",
+                               "mixed_float16", skip="auto", peak="float16"),
+    "fp32_highest": Precision("float32, jax.default_matmul_precision('highest')", "jaxamp",
+                              "float32", "highest", skip="auto", peak="float32"),
+    "autocast_bf16": Precision("make_train_step(autocast=True), mixed_bfloat16", "autocast",
+                               "mixed_bfloat16", skip="auto"),
+    "torch_amp_bf16": Precision("PyTorch eager, torch.autocast(bfloat16), AdamW defaults",
+                                "torch"),
+    "torch_amp_fp16": Precision("PyTorch eager, torch.autocast(float16) + GradScaler, AdamW "
+                                "defaults", "torch", peak="float16"),
+    "torch_compile_bf16": Precision("PyTorch torch.compile, torch.autocast(bfloat16), AdamW "
+                                    "defaults", "torch", torch_compile=True),
 }
+_JAX = ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "fp32_default", "mixed_float16",
+        "fp32_highest")
+MODEL_PRECISIONS = {  # in the order they run: what matters most first, torch.compile last
+    "resnet50": ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "torch_amp_bf16",
+                 "fp32_default", "mixed_float16", "torch_amp_fp16", "fp32_highest",
+                 "torch_compile_bf16"),
+    "bert_large": _JAX,
+    "nnx_gpt": ("autocast_bf16", "fp32_default"),
+}
+UNITS = {"image": "img/s", "text": "seq/s", "lm": "seq/s"}
+# The columns of gpu.md, in order (gpu.jsonl holds these and more).
+COLUMNS = ["model", "precision", "batch", "step_ms", "per_s", "unit", "time_vs_bare_bf16",
+           "vs_fp32_highest", "vs_fp32_default", "jaxamp_vs_torch", "tflops", "mfu_measured",
+           "mfu_datasheet", "xla_tflops", "mem_gb", "live_peak_gb", "skipped_steps",
+           "matmul_precision", "compile_s", "error"]
+
+
+def _names(choices) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(choices)}")
+        return names
+    return parse
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per gpu variant")
+    parser.add_argument("--models", type=_names(MODEL_PRECISIONS), default=list(MODEL_PRECISIONS),
+                        help=f"comma list of {', '.join(MODEL_PRECISIONS)} (default: all)")
+    parser.add_argument("--precisions", type=_names(PRECISIONS), default=list(PRECISIONS),
+                        help="comma list of " + ", ".join(PRECISIONS) + " (default: all; each "
+                        "model runs those that apply to it)")
+    parser.add_argument("--steps", type=int, default=20, help="most timed steps per row")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="fewer timed steps (at least 3) when they would take longer")
+    parser.add_argument("--append", action="store_true",
+                        help=f"append to OUT/{ROWS_FILE} instead of starting it afresh")
+    parser.add_argument("--render-only", action="store_true",
+                        help=f"measure nothing: write gpu.md and gpu.png from OUT/{ROWS_FILE}")
 
 
-def _cases(tiny: bool):
+# --------------------------------------------------------------------------------------------
+# The models
+# --------------------------------------------------------------------------------------------
+
+def _cases(tiny: bool) -> dict[str, dict]:
     if tiny:
-        return {"resnet50": dict(model="resnet50_small", kind="image", batch=4, shape=(8, 8, 3),
-                                 kw=dict(stage_sizes=(1, 1), width=8)),
-                "bert_large": dict(model="bert_tiny", kind="text", batch=4, seq=16,
-                                   kw=dict(depth=1, width=32))}
-    return {"resnet50": dict(model="resnet50", kind="image", batch=256, shape=(224, 224, 3),
-                             kw={}),
-            "bert_large": dict(model="bert_large", kind="text", batch=64, seq=512, kw={})}
+        return {
+            "resnet50": dict(model="resnet18_small", kind="image", batch=2, shape=(8, 8, 3),
+                             kw=dict(stage_sizes=(1,), width=8), torch_image=32),
+            "bert_large": dict(model="bert_tiny", kind="text", batch=2, seq=8,
+                               kw=dict(depth=1, width=16, heads=2, mlp=32)),
+            "nnx_gpt": dict(model="nnx_gpt_tiny", kind="lm", batch=2, seq=8,
+                            kw=dict(vocab=64, width=16, depth=1, heads=2, mlp=64, max_len=8)),
+        }
+    return {
+        "resnet50": dict(model="resnet50", kind="image", batch=256, shape=(224, 224, 3), kw={},
+                         torch_image=224),
+        "bert_large": dict(model="bert_large", kind="text", batch=64, seq=512, kw={}),
+        # The user's GPT of train/models/nnx_gpt.py (flax NNX layers, no dtype=) at GPT-2 small's
+        # shape with an 8192-token vocabulary, as in the autocast suite.
+        "nnx_gpt": dict(model="nnx_gpt_tiny", kind="lm", batch=16, seq=1024,
+                        kw=dict(vocab=8192, width=768, depth=12, heads=12, mlp=3072,
+                                max_len=1024)),
+    }
 
 
-def _step(case: dict, policy: str):
+def _batch(case: dict) -> dict:
+    """A random batch, drawn on the host (no little programs to compile)."""
     from train import models
-    model = models.build(case["model"], policy, **case["kw"])
-    graphdef, params, model_state = models.split(model)
-    tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
-    b = case["batch"]
+    b, rng = case["batch"], np.random.default_rng(1)
     if case["kind"] == "image":
-        batch = {"image": jax.random.normal(jax.random.key(1), (b, *case["shape"])),
-                 "label": jnp.zeros((b,), jnp.int32)}
-        step = jaxamp.make_train_step(models.classification_loss(graphdef), has_aux=True,
-                                      has_model_state=True)
+        classes = models.config_of(case["model"], **case["kw"]).num_classes
+        return {"image": jnp.asarray(rng.normal(size=(b, *case["shape"])), jnp.float32),
+                "label": jnp.asarray(rng.integers(0, classes, (b,)), jnp.int32)}
+    vocab = models.config_of(case["model"], **case["kw"]).vocab
+    if case["kind"] == "text":
+        tokens = jnp.asarray(rng.integers(0, vocab, (b, case["seq"])), jnp.int32)
+        return {"tokens": tokens, "targets": tokens}
+    return {"tokens": jnp.asarray(rng.integers(0, vocab, (b, case["seq"] + 1)), jnp.int32)}
+
+
+def tiny_compiler_options(tiny: bool) -> dict | None:
+    """At ``--tiny`` on a CPU, compiling dominates: XLA:CPU builds the little programs at -O0
+    and without its fusion emitters (a third of the time). Nothing changes elsewhere."""
+    if tiny and jax.default_backend() == "cpu":
+        return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                "xla_cpu_use_fusion_emitters": False}
+    return None
+
+
+def _init(case: dict, tiny: bool) -> tuple[Any, Any]:
+    """``(fp32 params, model state)`` of ``case``'s model, initialised in one jitted program
+    (op by op, a ResNet's init compiles dozens of little programs)."""
+    from train import models
+
+    def init():
+        _, params, model_state = models.split(models.build(case["model"], "float32",
+                                                           **case["kw"]))
+        return params, model_state
+    return jax.jit(init).lower().compile(tiny_compiler_options(tiny))()
+
+
+def _loss(case: dict, graphdef) -> tuple[Callable, dict]:
+    """``(loss_fn, make_train_step keywords)`` of the model's family."""
+    from train import models
+    if case["kind"] == "image":
+        return models.classification_loss(graphdef), dict(has_aux=True, has_model_state=True)
+    if case["kind"] == "text":
+        return models.mlm_loss(graphdef), dict(has_aux=True)
+    return models.lm_loss(graphdef), dict(has_aux=True)
+
+
+@dataclasses.dataclass
+class Built:
+    step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (state, metrics)
+    state: Any
+    batch: Any
+    audited: Callable[[Any, Any], jax.Array]  # the scalar loss of (working params, batch)
+    working: Any  # the working params, for the audit
+
+
+def _build(case: dict, prec: Precision, params, model_state, options: dict | None) -> Built:
+    from flax import nnx
+
+    from train import models
+    abstract = nnx.eval_shape(lambda: models.build(case["model"], prec.policy, **case["kw"]))
+    graphdef = models.split(abstract)[0]
+    loss_fn, keywords = _loss(case, graphdef)
+    has_model_state = keywords.get("has_model_state", False)
+    policy = jaxamp.get_policy(prec.policy)
+    working = jax.eval_shape(policy.cast_params_to_compute, params)  # the audit traces it
+
+    def audited(p, b):
+        if has_model_state:
+            return loss_fn(p, b, model_state)[0]
+        return loss_fn(p, b)[0]
+    if prec.kind == "autocast":
+        audited = jaxamp.autocast(audited, policy)
+    if prec.kind == "bare":
+        step, make_state = _bare_step(loss_fn, has_model_state, policy)
     else:
-        vocab = models.config_of(case["model"]).vocab
-        tokens = jax.random.randint(jax.random.key(1), (b, case["seq"]), 0, vocab)
-        batch = {"tokens": tokens, "targets": tokens}
-        step = jaxamp.make_train_step(models.mlm_loss(graphdef), has_aux=True)
-    state = jaxamp.TrainState.create(params=params, tx=tx, model_state=model_state)
-    return step, state, batch
+        tx = jaxamp.mixed_precision(optax.adamw(1e-4), policy, skip=prec.skip or "auto")
+        step = jaxamp.make_train_step(loss_fn, autocast=prec.kind == "autocast",
+                                      warn_fp32_matmuls=False, **keywords)
+
+        def make_state(p, ms):
+            return jaxamp.TrainState.create(params=p, tx=tx, model_state=ms)
+
+    def fresh(p, ms):  # copies: the steps donate their state, the params serve every row
+        return make_state(jax.tree.map(jnp.copy, p), jax.tree.map(jnp.copy, ms))
+    state = jax.jit(fresh).lower(params, model_state).compile(options)(params, model_state)
+    return Built(step, state, _batch(case), audited, working)
 
 
-def _measure(case: dict, policy: str, precision: str, steps: int) -> tuple[float, float, float]:
-    """``(seconds per step, flops per step, final loss)`` after two warm-up steps."""
-    with jax.default_matmul_precision(precision):
-        step, state, batch = _step(case, policy)
-        compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-        flops = harness.cost(compiled)["flops"]
-        for _ in range(2):  # warm up
-            state, m = compiled(state, batch)
-        jax.block_until_ready(state)
+def _bare_step(loss_fn, has_model_state: bool, policy):
+    """``benchmarks.overhead.plain_variant``'s bare step: fp32 params, cast to the compute
+    dtype in the loss; plain ``value_and_grad`` and ``optax.adamw``."""
+    tx = optax.adamw(1e-4)
+
+    def step(state, batch):
+        p, opt_state, ms = state
+        batch = policy.cast_to_compute(batch)
+
+        def loss(q):
+            if has_model_state:
+                value, new_ms, _ = loss_fn(policy.cast_params_to_compute(q), batch, ms)
+                return value, new_ms
+            return loss_fn(policy.cast_params_to_compute(q), batch)[0], ms
+        (value, new_ms), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return (optax.apply_updates(p, updates), opt_state, new_ms), {"loss": value}
+
+    def make_state(p, ms):
+        return p, tx.init(p), ms
+    return step, make_state
+
+
+# --------------------------------------------------------------------------------------------
+# What XLA and the device say
+# --------------------------------------------------------------------------------------------
+
+def _precision_context(matmul_precision: str | None):
+    if matmul_precision is None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(matmul_precision)
+
+
+def effective_matmul_precision() -> str:
+    """``jax_default_matmul_precision`` as the process has it now (``None``: XLA's DEFAULT)."""
+    try:
+        value = jax.config.jax_default_matmul_precision
+    except AttributeError:
+        return "unknown"
+    return "unset (DEFAULT)" if value is None else str(value)
+
+
+def dot_precisions(lowered_text: str) -> str:
+    """The precisions (and algorithms) of the dots and convolutions of a lowered module."""
+    found = set(re.findall(r"precision = \[(\w+), (\w+)\]", lowered_text))
+    found |= set(re.findall(r"#stablehlo<precision (\w+)>", lowered_text))
+    found |= set(re.findall(r"algorithm = <([^>]*)>", lowered_text))
+    names = sorted({n for f in found for n in (f if isinstance(f, tuple) else (f,))})
+    return "+".join(names) or "none"
+
+
+def xla_flops(compiled) -> float | None:
+    """XLA's ``cost_analysis()`` flops where it gave a positive figure, else ``None``."""
+    try:
+        c = compiled.cost_analysis()
+        if isinstance(c, list | tuple):
+            c = c[0] if c else None
+        flops = None if c is None else c.get("flops")
+        return float(flops) if flops is not None and math.isfinite(flops) and flops > 0 else None
+    except Exception:
+        return None
+
+
+def compiled_memory(compiled) -> dict[str, float | None]:
+    """``mem_gb``: arguments + outputs - aliased (donated) + temporaries of the compiled step,
+    from ``memory_analysis()``; ``xla_peak_gb``: its ``peak_memory_in_bytes`` where positive."""
+    try:
+        m = compiled.memory_analysis()
+        if isinstance(m, list | tuple):
+            m = m[0] if m else None
+    except Exception:
+        m = None
+    parts = [getattr(m, f"{n}_size_in_bytes", None) for n in ("argument", "output", "alias",
+                                                               "temp")]
+    total = None if m is None or None in parts else parts[0] + parts[1] - parts[2] + parts[3]
+    peak = getattr(m, "peak_memory_in_bytes", None)
+    return {"mem_gb": None if total is None else total / 1e9,
+            "xla_peak_gb": peak / 1e9 if isinstance(peak, int | float) and peak > 0 else None}
+
+
+def _live_peak() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+# --------------------------------------------------------------------------------------------
+# Peaks: a measured matmul, and the datasheet
+# --------------------------------------------------------------------------------------------
+
+def _peak_key(prec: Precision) -> str:
+    return f"{prec.peak}/{prec.matmul_precision or 'default'}"
+
+
+def measure_matmul_peak(dtype_name: str, matmul_precision: str | None, n: int,
+                        reps: int) -> float:
+    """FLOP/s of an ``n``-cubed matmul in ``dtype_name``, the best of three runs of ``reps``."""
+    dtype = jnp.dtype(dtype_name)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    with _precision_context(matmul_precision):
+        f = jax.jit(lambda x, y: x @ y).lower(a, b).compile(
+            tiny_compiler_options(jax.default_backend() == "cpu"))
+    jax.block_until_ready(f(a, b))
+    best = math.inf
+    for _ in range(3):
         t0 = time.perf_counter()
-        for _ in range(steps):
-            state, m = compiled(state, batch)
-        jax.block_until_ready((state, m))
-        dt = (time.perf_counter() - t0) / steps
-    return dt, flops, float(m["loss"])
+        out = [f(a, b) for _ in range(reps)]
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t0)
+        del out
+    return 2.0 * n**3 * reps / best
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    for r in rows:
-        strict = next(x for x in rows if x["model"] == r["model"] and "strict" in x["precision"])
-        tf32 = next(x for x in rows if x["model"] == r["model"] and "TF32)" in x["precision"])
-        r["vs_fp32_strict"] = r["per_s"] / strict["per_s"]
-        r["vs_tf32"] = r["per_s"] / tf32["per_s"]
-        r["label"] = f"{r['model']} {r['precision'].split(' (')[0]}"
+def _datasheet(device_kind: str) -> dict[str, float] | None:
+    return next((v for k, v in DATASHEET.items() if k in device_kind), None)
 
 
-def _torch_rows(rows: list[dict], steps: int) -> list[dict]:
-    """torchvision's ResNet-50 under PyTorch AMP, against jaxamp's row of the same dtype."""
-    out = []
-    for dt_name in ("bfloat16", "float16"):
-        ips = pytorch_recipe.resnet50_images_per_second(256, steps, dt_name)
-        if ips is not None:
-            ours = next(r for r in rows if r["model"] == "resnet50"
-                        and r["precision"] == f"mixed_{dt_name}")
-            out.append({"model": "resnet50", "built_as": "torchvision",
-                        "precision": f"PyTorch AMP {dt_name}", "batch": 256,
-                        "per_s": ips, "unit": "img/s",
-                        "jaxamp_vs_torch": ours["per_s"] / ips,
-                        "label": f"torch AMP {dt_name}"})
-    return out
+def datasheet_peak(prec: Precision, device_kind: str,
+                   measured: dict[str, float | None]) -> tuple[float | None, str]:
+    """``(peak FLOP/s, what it is)`` from the datasheet for ``prec``'s matmuls, where known.
+
+    fp32 under the default precision runs on the TF32 tensor cores only if XLA chooses so: the
+    measured fp32 matmul tells (faster than the strict fp32 datasheet peak: TF32)."""
+    sheet = _datasheet(device_kind)
+    if sheet is None:
+        return None, f"no datasheet for {device_kind!r}"
+    if prec.peak != "float32":
+        return sheet[prec.peak], f"{prec.peak} dense"
+    if prec.matmul_precision in ("highest", "float32"):
+        return sheet["float32"], "fp32 (no tensor cores)"
+    if prec.matmul_precision in ("high", "tensorfloat32"):
+        return sheet["tf32"], "TF32 dense"
+    rate = measured.get(_peak_key(prec))
+    if rate is None:
+        return None, "TF32 or fp32: unknown (no measured fp32 matmul)"
+    if rate > 1.5 * sheet["float32"]:
+        return sheet["tf32"], "TF32 dense (the fp32 matmul ran faster than fp32 can)"
+    return sheet["float32"], "fp32 (the fp32 matmul ran at fp32 speed)"
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring one configuration
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Context:
+    """What the rows of one run share."""
+
+    args: Any
+    cases: dict[str, dict]
+    device_kind: str
+    measured_peaks: dict[str, float | None]
+    model_cache: dict = dataclasses.field(default_factory=dict)
+    flops_cache: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def compiler_options(self) -> dict | None:
+        return tiny_compiler_options(self.args.tiny)
+
+    def params(self, model: str):
+        if model not in self.model_cache:
+            self.model_cache.clear()  # one model's params on the device at a time
+            self.model_cache[model] = _init(self.cases[model], self.args.tiny)
+        return self.model_cache[model]
+
+    def trace_flops(self, model: str, prec: Precision, built: Built) -> float | None:
+        """Matmul and convolution FLOPs of the loss's forward and backward pass, from the trace
+        (``jaxamp.audit_grad``), once per model (and once more under autocast)."""
+        key = (model, prec.kind == "autocast")
+        if key not in self.flops_cache:
+            try:
+                with warnings.catch_warnings():  # abstract params: no saved residuals, no matter
+                    warnings.simplefilter("ignore")
+                    report = jaxamp.audit_grad(built.audited, built.working, built.batch)
+                self.flops_cache[key] = report.total_matmul_flops
+            except Exception as e:
+                print(f"  trace FLOPs of {model}: {error_text(e)}", flush=True)
+                self.flops_cache[key] = None
+        return self.flops_cache[key]
+
+
+def _timed_steps(args, one_step_s: float) -> int:
+    if args.tiny:
+        return 3
+    return max(3, min(args.steps, int(args.seconds / max(one_step_s, 1e-9))))
+
+
+def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
+    """The measured fields of one JAX configuration."""
+    params, model_state = ctx.params(model)
+    built = _build(ctx.cases[model], prec, params, model_state, ctx.compiler_options)
+    with _precision_context(prec.matmul_precision):
+        effective = effective_matmul_precision()
+        t0 = time.perf_counter()
+        lowered = jax.jit(built.step, donate_argnums=0).lower(built.state, built.batch)
+        dots = dot_precisions(lowered.as_text())
+        compiled = lowered.compile(ctx.compiler_options)
+        compile_s = time.perf_counter() - t0
+    flops = ctx.trace_flops(model, prec, built)
+    batch, state = built.batch, built.state
+    del built
+    peak_before = _live_peak()
+    for _ in range(WARMUP):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    steps = _timed_steps(ctx.args, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    dt = (time.perf_counter() - t0) / steps
+    peak_after = _live_peak()
+    skipped = metrics.get("skipped_steps")
+    row = {"step_ms": 1e3 * dt, "steps": steps, "compile_s": compile_s, "flops": flops,
+           "xla_flops": xla_flops(compiled), **compiled_memory(compiled),
+           # The process-lifetime peak cannot be reset: it is this configuration's only where
+           # this configuration raised it.
+           "live_peak_gb": (peak_after / 1e9 if peak_after is not None and peak_before is not None
+                            and peak_after > peak_before else None),
+           "loss": float(metrics["loss"]),
+           "skipped_steps": None if skipped is None else int(skipped),
+           "matmul_precision": effective, "dot_precision": dots}
+    del state, metrics, compiled
+    return row
+
+
+def measure_torch(model: str, prec: Precision, ctx: Context) -> dict:
+    """torchvision's ResNet-50 under PyTorch AMP (CUDA; on a CPU only at ``--tiny``)."""
+    if ctx.args.tiny and prec.torch_compile:
+        raise RuntimeError("not run at --tiny: inductor's compile takes minutes")
+    case = ctx.cases[model]
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    if device == "cpu" and not ctx.args.tiny:
+        raise RuntimeError("torch rows run on CUDA")
+    stats = pytorch_recipe.resnet50_step_stats(
+        case["batch"], "float16" if prec.peak == "float16" else "bfloat16",
+        steps=3 if ctx.args.tiny else ctx.args.steps, seconds=ctx.args.seconds,
+        compiled=prec.torch_compile, device=device, image_size=case["torch_image"],
+        warmup=1 if ctx.args.tiny else 5)
+    if stats["flops"] is None:  # torch.compile's row: the eager step's count, the same model
+        stats["flops"] = ctx.flops_cache.get((model, "torch"))
+    else:
+        ctx.flops_cache[(model, "torch")] = stats["flops"]
+    return {**stats, "matmul_precision": "torch.autocast"}
+
+
+def measure(model: str, precision: str, ctx: Context) -> dict:
+    """The measured fields of one configuration; raises on failure."""
+    prec = PRECISIONS[precision]
+    return (measure_torch if prec.kind == "torch" else measure_jax)(model, prec, ctx)
+
+
+def error_text(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
+
+
+def _row(model: str, precision: str, ctx: Context) -> dict:
+    """One configuration's row, an error row if it fails."""
+    prec, case = PRECISIONS[precision], ctx.cases[model]
+    row: dict[str, Any] = {
+        "model": model, "precision": precision, "label": f"{model} {precision}",
+        "description": prec.description,
+        "built_as": "torchvision resnet50" if prec.kind == "torch" else case["model"],
+        "batch": case["batch"], "unit": UNITS[case["kind"]], "policy": prec.policy,
+        "skip": prec.skip, "error": None}
+    t0 = time.perf_counter()
+    try:
+        row.update(measure(model, precision, ctx))
+    except Exception as e:
+        row["error"] = error_text(e)
+    finally:
+        gc.collect()
+    row["seconds"] = time.perf_counter() - t0
+    if row.get("step_ms"):
+        dt = row["step_ms"] / 1e3
+        row["per_s"] = case["batch"] / dt
+        flops = row.get("flops")
+        row["tflops"] = None if flops is None else flops / dt / 1e12
+        row["xla_tflops"] = None if row.get("xla_flops") is None else row["xla_flops"] / dt / 1e12
+        measured = ctx.measured_peaks.get(_peak_key(prec))
+        sheet, sheet_what = datasheet_peak(prec, ctx.device_kind, ctx.measured_peaks)
+        row.update({
+            "peak_class": _peak_key(prec),
+            "peak_measured_tflops": None if measured is None else measured / 1e12,
+            "mfu_measured": None if flops is None or measured is None else flops / dt / measured,
+            "peak_datasheet_tflops": None if sheet is None else sheet / 1e12,
+            "peak_datasheet": sheet_what,
+            "mfu_datasheet": None if flops is None or sheet is None else flops / dt / sheet})
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# The run: versions first, then the rows one by one
+# --------------------------------------------------------------------------------------------
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, Any]:
+    """Python, jax, jaxlib, flax, optax, torch and torchvision (where present), the devices."""
+    import jaxlib
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": _version("flax"),
+        "optax": _version("optax"), "numpy": np.__version__, "torch": _version("torch"),
+        "torchvision": _version("torchvision"),
+        "jax_devices": [f"{d.platform}:{d.id} {d.device_kind}"
+                        + (f" (compute capability {d.compute_capability})"
+                           if getattr(d, "compute_capability", None) else "")
+                        for d in jax.devices()],
+        "env": {k: os.environ.get(k) for k in ("JAX_PLATFORMS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                               "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS",
+                                               "JAX_DEFAULT_MATMUL_PRECISION",
+                                               "CUDA_VISIBLE_DEVICES")},
+        "default_matmul_precision": effective_matmul_precision(),
+    }
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        info["bytes_limit_gb"] = stats.get("bytes_limit", 0) / 1e9 or None
+    except Exception:
+        info["bytes_limit_gb"] = None
+    if info["torch"] is not None:
+        try:
+            import torch
+            info["torch_cuda"] = (f"CUDA {torch.version.cuda}, "
+                                  + ", ".join(torch.cuda.get_device_name(i)
+                                              for i in range(torch.cuda.device_count()))
+                                  if torch.cuda.is_available() else "no CUDA device")
+        except Exception as e:
+            info["torch_cuda"] = error_text(e)
+    return info
+
+
+def _plan(args) -> list[tuple[str, str]]:
+    return [(m, p) for m in args.models for p in MODEL_PRECISIONS[m] if p in args.precisions]
+
+
+def _measure_peaks(plan, tiny: bool) -> dict[str, float | None]:
+    """FLOP/s of one large matmul per kind of matmul the plan runs (8192 cubed on a GPU)."""
+    n, reps = (256, 3) if tiny or jax.default_backend() == "cpu" else (8192, 20)
+    peaks: dict[str, float | None] = {}
+    for prec in sorted({PRECISIONS[p] for _, p in plan} | {PRECISIONS["mixed_bfloat16"]},
+                       key=_peak_key):
+        key = _peak_key(prec)
+        if key in peaks:
+            continue
+        try:
+            peaks[key] = measure_matmul_peak(prec.peak, prec.matmul_precision, n, reps)
+        except Exception as e:
+            print(f"  matmul peak {key}: {error_text(e)}", flush=True)
+            peaks[key] = None
+        rate = peaks[key]
+        print(f"  measured matmul peak {key} ({n}^3): "
+              f"{'n/a' if rate is None else f'{rate / 1e12:.1f} TFLOP/s'}", flush=True)
+    return peaks
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _first_device():
+    try:
+        return jax.devices()[0]
+    except RuntimeError as e:  # JAX_PLATFORMS=cuda without a CUDA device or a CUDA jaxlib
+        raise SystemExit(f"gpu suite: JAX found no device ({error_text(e)}); "
+                         f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')}, jax "
+                         f"{jax.__version__}") from e
+
+
+def _check_device(args) -> bool:
+    """``True`` to go on; exits (non-zero) when JAX is not on a GPU and not ``--tiny``."""
+    dev = _first_device()
+    if dev.platform == "gpu" or args.tiny:
+        return True
+    message = (f"gpu suite: JAX is on {dev.platform} ({dev.device_kind}), not on a GPU. Run it "
+               "on the GPU machine with JAX_PLATFORMS=cuda (bash benchmarks/gpu.sh), or add "
+               "--tiny to try every configuration here at a tiny size.")
+    if getattr(args, "via_all", False):
+        print(f"## {SUITE}\n\n{message} Skipped under `all`.\n", flush=True)
+        return False
+    raise SystemExit(message)
 
 
 def run(args) -> list[dict]:
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" and not args.tiny:
-        print(f"## gpu\n\nno GPU here ({dev.platform}): suite skipped. `--tiny` runs it on this "
-              "device at a tiny size.\n", flush=True)
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    if args.render_only:
+        return render(out)
+    dev = _first_device()
+    info = versions()
+    print(f"## {SUITE}: {harness.machine()}\n", flush=True)
+    for k, v in info.items():
+        print(f"- {k}: {v}", flush=True)
+    if not _check_device(args):
         return []
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in dev.device_kind), None)
-    steps = 3 if args.tiny else args.steps
-    rows = []
-    for case_name, case in _cases(args.tiny).items():
-        for label, (policy, precision) in GPU_PRECISIONS.items():
-            dt, flops, loss = _measure(case, policy, precision, steps)
-            stats = dev.memory_stats() or {}
-            rows.append({"model": case_name, "built_as": case["model"], "precision": label,
-                         "batch": case["batch"], "step_ms": 1e3 * dt,
-                         "per_s": case["batch"] / dt,
-                         "unit": "img/s" if case["kind"] == "image" else "seq/s",
-                         "tflops": flops / dt / 1e12,
-                         "mfu": None if peak is None else flops / dt / peak,
-                         "peak_mem_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None,
-                         "loss": loss})
-    _add_ratios(rows)
-    if not args.tiny:
-        rows += _torch_rows(rows, args.steps)
-    header = (f"{harness.machine()}; {steps} timed steps after 2 warm-up steps; adamw; "
-              f"MFU against {peak and f'{peak / 1e12:.0f} TFLOP/s'}")
-    harness.write_outputs("gpu", rows, ["model", "precision", "batch", "step_ms", "per_s",
-                                        "unit", "vs_fp32_strict", "vs_tf32", "tflops", "mfu",
-                                        "peak_mem_gb", "jaxamp_vs_torch"],
-                          args.out, ("label", "per_s"), header)
+    rows_path, runs_path = os.path.join(out, ROWS_FILE), os.path.join(out, RUNS_FILE)
+    if not args.append:
+        for path in (rows_path, runs_path):
+            if os.path.exists(path):
+                os.remove(path)
+    plan = _plan(args)
+    print(f"- plan: {len(plan)} configurations: "
+          + ", ".join(f"{m}/{p}" for m, p in plan), flush=True)
+    peaks = _measure_peaks(plan, args.tiny)
+    _append(runs_path, {"suite": SUITE, "started": datetime.datetime.now(
+        datetime.UTC).isoformat(timespec="seconds"), "argv": sys.argv[1:],
+        "tiny": bool(args.tiny), "models": args.models, "precisions": args.precisions,
+        "machine": harness.machine(), "device_kind": dev.device_kind, **info,
+        "measured_peaks_tflops": {k: None if v is None else v / 1e12 for k, v in peaks.items()},
+        "environment_info": _environment_info()})
+    ctx = Context(args, _cases(args.tiny), dev.device_kind, peaks)
+    for model, precision in plan:
+        row = _row(model, precision, ctx)
+        _append(rows_path, {"suite": SUITE, **row})
+        print(_summary(row), flush=True)
+    ctx.model_cache.clear()
+    return render(out)
+
+
+def _environment_info() -> str | None:
+    try:
+        return jax.print_environment_info(return_string=True)
+    except Exception as e:
+        return error_text(e)
+
+
+def _summary(row: dict) -> str:
+    head = f"  {row['model']} / {row['precision']}:"
+    if row.get("error"):
+        return f"{head} ERROR {row['error']}"
+    def f(key, fmt):
+        v = row.get(key)
+        return "n/a" if v is None else format(v, fmt)
+    return (f"{head} {f('step_ms', '.2f')} ms, {f('per_s', '.1f')} {row['unit']}, "
+            f"{f('tflops', '.1f')} TFLOP/s, MFU {f('mfu_measured', '.3f')} (measured peak) "
+            f"{f('mfu_datasheet', '.3f')} (datasheet), mem {f('mem_gb', '.2f')} GB, "
+            f"skipped {row.get('skipped_steps')}, matmul precision "
+            f"{row.get('matmul_precision')}, compile {f('compile_s', '.1f')} s")
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering: ratios, gpu.md, gpu.png
+# --------------------------------------------------------------------------------------------
+
+def _read(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios between the rows of a model, where both rows are there and measured."""
+    def find(model, precision):
+        return next((r for r in rows if r.get("model") == model
+                     and r.get("precision") == precision and r.get("per_s")), None)
+    for r in rows:
+        r["vs_fp32_highest"] = r["vs_fp32_default"] = None
+        r["time_vs_bare_bf16"] = r["jaxamp_vs_torch"] = r["time_vs_cond"] = None
+        if not r.get("per_s"):
+            continue
+        if PRECISIONS.get(r["precision"], PRECISIONS["torch_amp_bf16"]).kind == "torch":
+            ours = find(r["model"], "mixed_float16" if r["precision"] == "torch_amp_fp16"
+                        else "mixed_bfloat16")
+            r["jaxamp_vs_torch"] = None if ours is None else ours["per_s"] / r["per_s"]
+            continue
+        for key, ref in (("vs_fp32_highest", "fp32_highest"), ("vs_fp32_default", "fp32_default")):
+            other = find(r["model"], ref)
+            r[key] = None if other is None else r["per_s"] / other["per_s"]
+        bare = find(r["model"], "bare_bf16")
+        r["time_vs_bare_bf16"] = None if bare is None else r["step_ms"] / bare["step_ms"]
+        cond = find(r["model"], "mixed_bfloat16")
+        if r["precision"] == "mixed_bfloat16_select" and cond is not None:
+            r["time_vs_cond"] = r["step_ms"] / cond["step_ms"]
+
+
+def header(runs: list[dict]) -> str:
+    """What the table's figures are, and on which machine and versions they were taken."""
+    lines = []
+    for i, run_ in enumerate(runs):
+        peaks = ", ".join(f"{k} {'n/a' if v is None else f'{v:.1f}'}"
+                          for k, v in run_.get("measured_peaks_tflops", {}).items())
+        fraction = run_.get("env", {}).get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        lines.append(
+            f"- Run {i + 1} ({run_.get('started')}, models {','.join(run_.get('models', []))}"
+            f"{', tiny' if run_.get('tiny') else ''}): {run_.get('machine')}; python "
+            f"{run_.get('python')}, jax {run_.get('jax')}, jaxlib {run_.get('jaxlib')}, flax "
+            f"{run_.get('flax')}, optax {run_.get('optax')}, torch {run_.get('torch')}, "
+            f"torchvision {run_.get('torchvision')} ({run_.get('torch_cuda', 'n/a')}); default "
+            f"matmul precision {run_.get('default_matmul_precision')}; "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}, JAX pool "
+            f"{run_.get('bytes_limit_gb')} GB; measured matmul peaks (TFLOP/s): "
+            f"{peaks}.")
+    lines += [
+        f"- Timing: after the compile and {WARMUP} warm-up steps, up to `--steps` consecutive "
+        "steps (fewer, at least 3, past `--seconds`), dispatched back to back and waited for at "
+        "the end: step_ms is their mean. The state is donated.",
+        "- FLOPs (`tflops`): the matmul and convolution FLOPs of the loss's forward and backward "
+        "pass counted on the trace (`jaxamp.audit_grad(...).total_matmul_flops`, the same on "
+        "every backend); torch rows: `torch.utils.flop_counter` on one eager step. `xla_tflops`: "
+        "XLA's `cost_analysis()` figure where it gave one; on a GPU it leaves out the "
+        "cuBLAS/cuDNN custom calls, so it is no MFU numerator.",
+        "- MFU: `mfu_measured` against the measured matmul peak of the row's kind (bf16, fp16, "
+        "or fp32 under the row's matmul precision); `mfu_datasheet` against the H100/H200 "
+        "dense datasheet: 989 TFLOP/s bf16/fp16, 494 TF32, 67 fp32 (fp32 rows: TF32 only where "
+        "the measured fp32 matmul ran faster than fp32 can, `peak_datasheet` in the JSON says "
+        "which). fp32 rows are never divided by a bf16 peak.",
+        "- Memory: `mem_gb` is the compiled step's arguments + outputs - aliased (donated) + "
+        "temporaries (`memory_analysis()`). JAX cannot reset its process-lifetime "
+        "`peak_bytes_in_use`: `live_peak_gb` is given only for rows that raised it (their peak, "
+        "leftovers of earlier rows included), empty otherwise; torch rows: "
+        "`torch.cuda.max_memory_allocated()` after a reset.",
+        "- `skipped_steps`: non-finite steps skipped in the whole run of the row (jaxamp: the "
+        "state's count; torch fp16: GradScaler's backoffs); empty where nothing can skip.",
+        "- `matmul_precision`: `jax_default_matmul_precision` as read back inside the row's "
+        "context; the JSON's `dot_precision` holds the precisions of the lowered dots.",
+        "- torch: eager (one row under `torch.compile`), `torch.optim.AdamW` with its defaults, "
+        "channels_last, `torch.backends.cudnn.benchmark = True`, in the same process as JAX "
+        "(which holds its preallocated pool).",
+        "- `time_vs_bare_bf16`: step time over the bare bf16 step of the same model (jaxamp's "
+        "overhead); `vs_fp32_*`: throughput over the fp32 rows; `jaxamp_vs_torch`: jaxamp's "
+        "throughput over torch's at the same dtype; the JSON's `time_vs_cond` is "
+        "skip='select' over skip='cond'.",
+    ]
+    return "\n".join(lines)
+
+
+def render(out: str) -> list[dict]:
+    """Adds the ratios to ``OUT/gpu.jsonl`` and writes ``OUT/gpu.md`` and ``OUT/gpu.png``."""
+    rows_path = os.path.join(out, ROWS_FILE)
+    rows = _read(rows_path)
+    runs = _read(os.path.join(out, RUNS_FILE))
+    add_ratios(rows)
+    tmp = rows_path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, rows_path)
+    text = f"## {SUITE}\n\n{header(runs)}\n\n{harness.markdown(rows, COLUMNS)}\n"
+    with open(os.path.join(out, "gpu.md"), "w") as f:
+        f.write(text)
+    print(text, flush=True)
+    if any(r.get("vs_fp32_default") for r in rows):
+        harness._bar_chart(SUITE, rows, ("label", "vs_fp32_default"),
+                           os.path.join(out, "gpu.png"))
     return rows

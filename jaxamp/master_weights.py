@@ -14,7 +14,10 @@ state, counters and the policy itself (static data, so that any optax wrapper ke
    cast to each param's working dtype.
 
 A non-finite step returns zero updates (``-0.0``, so that even signed zeros are kept) and leaves
-the master params and the inner state, including its step count, bit-identical.
+the master params and the inner state, including its step count, bit-identical. How the step is
+skipped is ``skip=``: ``"cond"`` branches with ``lax.cond`` (the optimizer does not run on a
+skipped step), ``"select"`` runs it on every step and keeps the old value of each leaf with
+``jnp.where``; both give the same bits.
 
 A non-finite update is never applied, however many come in a row. When ``stall_after``
 consecutive steps are non-finite at the minimum loss scale (where backing off cannot help), the
@@ -43,6 +46,7 @@ from jaxamp._tree import cast_like
 from jaxamp._tree import find_with_path
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import parents_along
+from jaxamp._tree import select
 from jaxamp._tree import tree_path_str
 from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
@@ -166,9 +170,9 @@ def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
 
 
 def _same_dtype(params: list, masters: list, work_dtypes: list) -> list[bool]:
-    """Per leaf: does it work in its master dtype? Such leaves get their update from inside the
-    cond (and the master is stored as ``m + update``); the others get the difference to the
-    cast master. Known at trace time, so the cond returns only the updates it must."""
+    """Per leaf: does it work in its master dtype? Such leaves get their update from the branch
+    (and the master is stored as ``m + update``); the others get the difference to the cast
+    master. Known at trace time, so the branches return only the updates they must."""
     return [d is not None and p.dtype == d == m.dtype
             for p, m, d in zip(params, masters, work_dtypes, strict=True)]
 
@@ -190,7 +194,7 @@ def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: 
 
 
 def _apply(inner, extra_args, same, scale, master, inner_state, grads):
-    """The cond's finite branch: unscale, run ``inner`` on the master, keep dtypes."""
+    """The finite branch: unscale, run ``inner`` on the master, keep dtypes."""
     grads = scale.unscale(grads)  # fp32, with the scale used for this step (pre-adjust)
     inner_updates, new_inner = inner.update(grads, inner_state, master, **extra_args)
     new_master = optax.apply_updates(master, inner_updates)
@@ -208,12 +212,32 @@ def _apply(inner, extra_args, same, scale, master, inner_state, grads):
 
 
 def _skip(same, master, inner_state, grads):
-    """The cond's non-finite branch: everything stays; -0.0 is the additive identity, so
+    """The non-finite branch: everything stays; -0.0 is the additive identity, so
     ``p + (-0.0) == p`` bit for bit, signed zeros too."""
     del grads
     kept = [jnp.full_like(m, -0.0) for m, k in zip(jax.tree.leaves(master), same, strict=True)
             if k]
     return master, inner_state, kept
+
+
+_SKIPS = ("auto", "cond", "select")
+
+
+def _resolve_skip(skip: str) -> str:
+    """``"auto"`` is ``"cond"`` on every backend. On XLA:GPU a ``lax.cond`` may cost a sync of
+    the predicate to the host on every step; ``python -m benchmarks gpu`` times both, and its
+    first run on a GPU is what will decide whether ``auto`` becomes ``"select"`` there."""
+    return "cond" if skip == "auto" else skip
+
+
+def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, master, inner_state, grads):
+    """``(master, inner_state, kept)`` of the applied step if ``finite``, else of the skip."""
+    if skip == "cond":
+        return lax.cond(finite, apply, skip_fn, master, inner_state, grads)
+    new_master, new_inner, new_kept = apply(master, inner_state, grads)
+    old_master, old_inner, old_kept = skip_fn(master, inner_state, grads)
+    return (select(finite, new_master, old_master), select(finite, new_inner, old_inner),
+            [jnp.where(finite, n, o) for n, o in zip(new_kept, old_kept, strict=True)])
 
 
 def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int | None):
@@ -229,7 +253,7 @@ def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int
 def _working_updates(policy: Policy, master: Any, params: Any, same: list[bool],
                      kept: list) -> Any:
     """Updates that land the working params on ``cast(master)``: the exact difference for
-    leaves that work in another dtype, the in-cond update for the others."""
+    leaves that work in another dtype, the branch's update for the others."""
     param_leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(policy.cast_params_to_compute(master))
     kept_iter = iter(kept)
@@ -264,7 +288,7 @@ def _new_state(state: MixedPrecisionState, master, inner_state, stats: GradStats
 
 
 def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
-            updates, state: MixedPrecisionState, params=None, **extra_args):
+            skip: str, updates, state: MixedPrecisionState, params=None, **extra_args):
     if params is None:
         raise ValueError("mixed_precision.update needs params (the working params) to "
                          "compute updates; call tx.update(grads, state, params)")
@@ -280,10 +304,11 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # of non-finite leaves. It reads each gradient once, in its own dtype.
     stats = grad_stats(updates, state.loss_scale.loss_scale)
     same = _same_dtype(param_leaves, jax.tree.leaves(state.master_params), work_dtypes)
-    # A skip leaves master and inner state untouched. lax.cond (rather than a select per leaf)
-    # lets XLA update donated buffers in place and never runs the optimizer on a skipped step.
-    master, inner_state, kept = lax.cond(
-        stats.finite,
+    # A skip leaves master and inner state untouched. lax.cond (skip="cond") lets XLA update
+    # donated buffers in place and never runs the optimizer on a skipped step; a select per leaf
+    # (skip="select") runs it always and keeps the old bits where the grads are not finite.
+    master, inner_state, kept = _skip_or_apply(
+        _resolve_skip(skip), stats.finite,
         functools.partial(_apply, inner, extra_args, same, state.loss_scale),
         functools.partial(_skip, same),
         state.master_params, state.inner_state, updates)
@@ -320,7 +345,7 @@ def _as_transformation(tx: Any) -> Any:
     return tx
 
 
-def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any) -> None:
+def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any, skip: Any) -> None:
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(f"inner must be an optax.GradientTransformation, got "
                         f"{type(inner).__name__} {inner!r}; pass e.g. optax.adamw(1e-3)")
@@ -334,6 +359,11 @@ def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any) -> None:
         raise ValueError(f"stall_after must be an int >= 1 or None, got {stall_after!r}; it "
                          "counts consecutive non-finite steps at the minimum loss scale "
                          "(default 10, None never reports a stall)")
+    if not isinstance(skip, str) or skip not in _SKIPS:
+        raise ValueError(f"skip must be one of {', '.join(map(repr, _SKIPS))}, got {skip!r}: "
+                         "'cond' skips a non-finite step with lax.cond, 'select' runs the "
+                         "optimizer and keeps the old values with jnp.where, 'auto' (the "
+                         "default) is 'cond' for now")
 
 
 def mixed_precision(
@@ -343,6 +373,7 @@ def mixed_precision(
     loss_scale: LossScale | None = None,
     stall_after: int | None = 10,
     pin_grad_layout: bool | None = None,
+    skip: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
 
@@ -366,6 +397,13 @@ def mixed_precision(
         was measured to save two passes over the gradients; ``True``/``False`` force it on or
         off. It changes no update, but XLA's partitioner all-gathers a gradient sharded over
         a device mesh to pin it, which is why the default leaves several devices alone.
+      skip: how a non-finite step is skipped. ``"cond"``: a ``lax.cond`` around the optimizer,
+        which does not run on a skipped step and lets XLA update donated buffers in place;
+        ``"select"``: the optimizer runs on every step and ``jnp.where`` keeps each leaf's
+        old value on a skipped one (no branch, so no predicate to bring to the host). Both
+        leave the master, the inner state and the working params bit-identical on a skip.
+        ``"auto"`` (default) is ``"cond"`` on every backend for now; the GPU suite of
+        ``python -m benchmarks gpu`` times both on a GPU, which will decide.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
@@ -392,11 +430,11 @@ def mixed_precision(
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)
-    _check_arguments(inner, loss_scale, stall_after)
+    _check_arguments(inner, loss_scale, stall_after, skip)
     inner = optax.with_extra_args_support(inner)
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, inner, policy, loss_scale),
-        functools.partial(_update, inner, policy, stall_after, pin_grad_layout))
+        functools.partial(_update, inner, policy, stall_after, pin_grad_layout, skip))
 
 
 def _check_same_structure(tree: Any, master: Any, what: str = "gradient tree") -> None:

@@ -10,6 +10,9 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_bitwise_equal
+from helpers import init_params
+from helpers import make_batch
+from helpers import mse_loss
 from helpers import standard_promotion
 from hypothesis import Phase
 from hypothesis import given
@@ -251,6 +254,123 @@ def test_never_applies_a_nonfinite_update():
     assert int(state.applied_steps) == 0
     assert inner_counts(state.inner_state) == [0]
     assert float(state.loss_scale.loss_scale) == 2.0**6
+
+
+# Finite (1.0) and non-finite batches, in a row and apart; growth_interval=2 makes the dynamic
+# scale grow as well as back off.
+_POISON_SEQUENCE = [1.0, 1.0, np.inf, 1.0, np.nan, np.nan, 1.0, 1.0, 1.0, -np.inf, 1.0]
+
+
+def _skip_trajectory(skip, policy_name, inner):
+    """``(arrays of the TrainState, metrics, params, optax state)`` after each step of
+    ``_POISON_SEQUENCE`` under ``skip=``, through ``make_train_step`` and ``tx.update``."""
+    loss_scale = (jaxamp.DynamicLossScale(growth_interval=2) if policy_name == "mixed_float16"
+                  else None)
+    tx = jaxamp.mixed_precision(inner, policy_name, loss_scale=loss_scale, skip=skip)
+    batch = make_batch()
+    step = jax.jit(jaxamp.make_train_step(mse_loss))
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+    update = jax.jit(tx.update)
+    opt_state = tx.init(init_params())
+    params = jaxamp.get_policy(policy_name).cast_params_to_compute(init_params())
+    trajectory = []
+    for poison in _POISON_SEQUENCE:
+        b = {**batch, "poison": np.where(np.arange(len(batch["poison"])) == 3,
+                                         np.float32(poison), batch["poison"])}
+        state, metrics = step(state, b)
+        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.scale_loss(mse_loss(p, b), o))(
+            params)
+        updates, opt_state = update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # The TrainState's tx (static data) differs with skip=: compare its arrays.
+        trajectory.append(((state.step, state.params, state.opt_state), metrics, params,
+                           opt_state))
+    return trajectory
+
+
+def _check_skips_and_scales(trajectory, policy_name):
+    """The steps skipped are the poisoned ones, each leaving every array as it was."""
+    skipped = [not bool(m["grads_finite"]) for _, m, _, _ in trajectory]
+    assert skipped == [not np.isfinite(p) for p in _POISON_SEQUENCE]
+    for before, after, skip in zip(trajectory, trajectory[1:], skipped[1:], strict=False):
+        if skip:
+            (_, p0, o0), _, q0, s0 = before
+            (_, p1, o1), _, q1, s1 = after
+            assert_tree_bitwise_equal((p0, q0), (p1, q1))
+            for a, b in ((o0, o1), (s0, s1)):
+                a, b = jaxamp.find_state(a), jaxamp.find_state(b)
+                assert_tree_bitwise_equal((a.master_params, a.inner_state),
+                                          (b.master_params, b.inner_state))
+    final = jaxamp.find_state(trajectory[-1][0][2])
+    assert int(final.skipped_steps) == sum(skipped)
+    assert set(inner_counts(final.inner_state)) == {len(skipped) - sum(skipped)}
+    scales = [float(m["loss_scale"]) for _, m, _, _ in trajectory]
+    if policy_name == "mixed_float16":  # the scale grows and backs off along the way
+        assert len(set(scales)) > 2
+    return skipped, scales
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16", "float32"])
+def test_select_skip_gives_the_bits_of_the_cond_skip(policy_name):
+    """skip="select" runs the optimizer on every step and keeps the old leaves with jnp.where:
+    the same params, master, inner state, loss scales and counters as lax.cond, bit for bit
+    (float32: the params work in their master dtype, the other branch of the update)."""
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2),
+                        optax.sgd(optax.linear_schedule(1e-2, 1e-3, 8), momentum=0.9,
+                                  nesterov=True))
+    runs = {skip: _skip_trajectory(skip, policy_name, inner)
+            for skip in ("cond", "select", "auto")}
+    sequences = {skip: _check_skips_and_scales(t, policy_name) for skip, t in runs.items()}
+    assert sequences["select"] == sequences["cond"] == sequences["auto"]
+    for skip in ("select", "auto"):
+        assert_tree_bitwise_equal(_without_norms(runs[skip]), _without_norms(runs["cond"]))
+        # The reported grad norm is an fp32 sum whose order follows the program's fusions.
+        np.testing.assert_allclose(_norms(runs[skip]), _norms(runs["cond"]), rtol=1e-6)
+
+
+def _norms(trajectory):
+    return [[float(m["grad_norm"]), float(jaxamp.find_state(o).grad_norm)]
+            for _, m, _, o in trajectory]
+
+
+def _without_norms(trajectory):
+    def strip(opt_state):
+        return jax.tree.map(lambda x: x._replace(grad_norm=None)
+                            if isinstance(x, jaxamp.MixedPrecisionState) else x, opt_state,
+                            is_leaf=lambda x: isinstance(x, jaxamp.MixedPrecisionState))
+    return [((step, p, strip(o)), {k: v for k, v in m.items() if k != "grad_norm"}, q,
+             strip(s)) for (step, p, o), m, q, s in trajectory]
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "float32"])
+def test_select_skip_under_adamw_skips_the_same_steps_bit_for_bit(policy_name):
+    """Under adamw XLA fuses the moments into the master's update differently in the two
+    programs (on XLA:CPU the applied steps then differ in the last bit); the skipped steps
+    still keep every array, and the skips, scales and counters are the same."""
+    inner = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 8))
+    cond = _skip_trajectory("cond", policy_name, inner)
+    select = _skip_trajectory("select", policy_name, inner)
+    assert _check_skips_and_scales(cond, policy_name) == \
+        _check_skips_and_scales(select, policy_name)
+    for a, b in zip(jax.tree.leaves(cond), jax.tree.leaves(select), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_skip_modes_differ_in_the_program_and_unknown_ones_are_refused():
+    master = {"w": jnp.ones((4,))}
+
+    def lowered(skip):
+        tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16", skip=skip)
+        params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(master)
+        return jax.jit(tx.update).lower(params, tx.init(master), params).as_text()
+    assert "stablehlo.case" in lowered("cond") or "stablehlo.if" in lowered("cond")
+    text = lowered("select")
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert lowered("auto") == lowered("cond")
+    for bad in ("where", None, True):
+        with pytest.raises(ValueError, match="skip must be one of 'auto', 'cond', 'select'"):
+            jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16", skip=bad)
 
 
 def test_apply_if_finite_applies_a_nonfinite_update_after_max_consecutive_errors():

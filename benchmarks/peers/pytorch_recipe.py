@@ -81,35 +81,90 @@ def _torch_encoder(cfg: EncoderConfig):
     return Encoder()
 
 
-def resnet50_images_per_second(batch: int, steps: int, dtype_name: str) -> float | None:
-    """img/s of torchvision's ResNet-50 under PyTorch AMP on CUDA, or None without it."""
-    try:
-        import torch
-        import torchvision
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
+def resnet50_step_stats(batch: int, dtype_name: str, *, steps: int, seconds: float,
+                        compiled: bool = False, device: str = "cuda", image_size: int = 224,
+                        warmup: int = 5) -> dict:
+    """torchvision's ResNet-50 trained eagerly (or under ``torch.compile``) with
+    ``torch.autocast(dtype)``, ``torch.optim.AdamW``'s defaults and, for float16, ``GradScaler``;
+    ``channels_last``, ``cudnn.benchmark = True``.
+
+    Returns ``{"step_ms", "per_s", "steps", "flops", "live_peak_gb", "compile_s", "loss",
+    "skipped_steps"}``: ``flops`` per step from ``torch.utils.flop_counter`` (one step, or
+    ``None``), ``live_peak_gb`` from ``torch.cuda.max_memory_allocated`` after a reset (CUDA
+    only), ``compile_s`` the first step's seconds (``torch.compile``'s compilation, or cuDNN's
+    search under ``cudnn.benchmark``), ``skipped_steps`` the steps GradScaler
+    skipped (float16; ``None`` for bfloat16, which has no scaler). Raises whatever goes wrong
+    (no torchvision, no CUDA, out of memory): the caller reports it.
+    """
+    import torch
+    import torchvision
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
+    torch.backends.cudnn.benchmark = True
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+    forward = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-    x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    y = torch.zeros(batch, dtype=torch.long, device="cuda")
+    scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    x = x.to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=device)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=dtype):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(device, dtype=dtype):
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+        return loss
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    step()
+    sync()
+    compile_s = time.perf_counter() - t0
+    # The counter's dispatch mode would send a compiled model back to dynamo: eager only.
+    flops = None if compiled else _counted_flops(step)
+    skipped = 0
+    for _ in range(warmup):
+        before = scaler.get_scale() if scaler.is_enabled() else None
+        t0 = time.perf_counter()
         step()
-    torch.cuda.synchronize()
-    return batch * steps / (time.perf_counter() - t0)
+        sync()
+        one = time.perf_counter() - t0
+        if before is not None and scaler.get_scale() < before:
+            skipped += 1
+    scale_before = scaler.get_scale() if scaler.is_enabled() else None
+    n = max(3, min(steps, int(seconds / max(one, 1e-6))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    sync()
+    dt = (time.perf_counter() - t0) / n
+    if scale_before is not None:  # no growth within 2000 steps: each backoff halves the scale
+        skipped += round(np.log2(scale_before / scaler.get_scale()))
+    return {"step_ms": 1e3 * dt, "per_s": batch / dt, "steps": n, "flops": flops,
+            "live_peak_gb": (torch.cuda.max_memory_allocated() / 1e9 if device == "cuda"
+                             else None),
+            "compile_s": compile_s, "loss": float(loss.detach()), "skipped_steps":
+            skipped if scaler.is_enabled() else None}
+
+
+def _counted_flops(step: Callable[[], object]) -> float | None:
+    """FLOPs of one step (forward and backward matmuls and convolutions), or ``None``."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()
+        return float(counter.get_total_flops())
+    except Exception:  # a torch without the counter, or an op it cannot follow
+        return None
