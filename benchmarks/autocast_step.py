@@ -8,8 +8,9 @@ LayerNorm, softmax, GELU and cross-entropy through ``jaxamp.ops``), trained with
 ``make_train_step`` under ``mixed_bfloat16``; and the user's model ``train/models/nnx_gpt.py``
 (flax NNX layers with their defaults, no ``dtype=``) with ``make_train_step(..., autocast=True)``.
 The reference under autocast isolates what autocast itself costs on one architecture; the user's
-model without autocast (the promotion trap) and in fp32 are timed beside them for scale. Every step is jitted with its state donated, and timed interleaved; the ratios are
-paired round by round against the reference. XLA's flops and bytes accessed, the matmul FLOPs
+model without autocast (the promotion trap) and in fp32 are timed beside them for scale. Every
+step is jitted with its state donated and timed interleaved; the ratios are paired round by
+round against the reference. XLA's flops and bytes accessed, the matmul FLOPs
 and the saved activation bytes (``jaxamp.audit_grad``) are deterministic.
 
 The two models differ where users' GPTs differ from the reference: separate q/k/v projections
