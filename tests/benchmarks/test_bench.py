@@ -240,8 +240,12 @@ def test_gpu_suite_torch_rows_on_a_stand_in_for_torchvision(tmp_path, monkeypatc
     """The torch rows' recipe (autocast, GradScaler, the FLOP counter, the skip count) on the
     CPU, with a small convolutional net in torchvision's place (torchvision is not installed
     here)."""
-    torch = pytest.importorskip("torch")
+    if importlib.util.find_spec("torch") is None:   # what a machine without torch gets
+        _check_torch_rows_say_torch_is_missing(tmp_path)
+        return
     import types
+
+    import torch
 
     def resnet50():
         return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
@@ -389,3 +393,18 @@ def test_autocast_step_suite_compares_the_users_model_with_the_reference(tiny_ru
     assert by["user's model, mixed_bfloat16 (trap)"]["bf16_share"] == 0.0
     # Autocast saves less than the trap, which saves more than fp32 would in bf16.
     assert by["user's model + autocast"]["saved_mb"] < 0.5 * by["user's model, fp32"]["saved_mb"]
+
+
+def _check_torch_rows_say_torch_is_missing(out):
+    main(["gpu", "--tiny", "--models", "resnet50", "--precisions",
+          "mixed_bfloat16,torch_amp_bf16,torch_amp_fp16", "--out", str(out)])
+    by = {r["precision"]: r for r in read_jsonl(out / "gpu.jsonl")}
+    assert by["mixed_bfloat16"]["error"] is None and by["mixed_bfloat16"]["per_s"] > 0
+    for name in ("torch_amp_bf16", "torch_amp_fp16"):
+        assert by[name].get("per_s") is None and "torch" in by[name]["error"], by[name]
+
+
+def test_gpu_suite_torch_rows_are_error_rows_without_torch(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)   # import torch raises ImportError
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    _check_torch_rows_say_torch_is_missing(tmp_path)
