@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q jaxamp tests
+	$(PY) -m pytest -q --durations=15 jaxamp tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples
