@@ -110,7 +110,7 @@ _SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "psum", "psum_invariant"
 
 _OPERAND = "jaxamp_matmul_operand"
 _VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-          "expand_dims", "copy", "copy_p")
+          "expand_dims", "copy")
 
 
 def _saveable(prim: Any, *_: Any, **params: Any) -> bool:

@@ -234,10 +234,7 @@ def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, master, inner_s
     """``(master, inner_state, kept)`` of the applied step if ``finite``, else of the skip."""
     if skip == "cond":
         return lax.cond(finite, apply, skip_fn, master, inner_state, grads)
-    new_master, new_inner, new_kept = apply(master, inner_state, grads)
-    old_master, old_inner, old_kept = skip_fn(master, inner_state, grads)
-    return (select(finite, new_master, old_master), select(finite, new_inner, old_inner),
-            [jnp.where(finite, n, o) for n, o in zip(new_kept, old_kept, strict=True)])
+    return select(finite, apply(master, inner_state, grads), skip_fn(master, inner_state, grads))
 
 
 def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int | None):
