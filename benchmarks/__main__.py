@@ -18,10 +18,11 @@ from benchmarks import long_fp16
 from benchmarks import memory
 from benchmarks import overhead
 from benchmarks import torch_amp
+from benchmarks import zero
 
 SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
           "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
-          "autocast": autocast, "autocast_step": autocast_step}
+          "autocast": autocast, "autocast_step": autocast_step, "zero": zero}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 
 

@@ -22,6 +22,10 @@ first, so that a timeout cuts the least):
   and printed); ``mixed_float16`` (dynamic loss scale); ``fp32_highest``: float32 under
   ``jax.default_matmul_precision("highest")``;
 * ``autocast_bf16`` (the user's GPT only): ``make_train_step(..., autocast=True)``;
+* ``mixed_bfloat16_zero3`` (BERT-Large only): ``mixed_bfloat16`` under ``jax.jit`` with the state
+  of ``jaxamp.state_sharding(params="sharded")`` on a mesh of every device: on one GPU the cost of
+  the data-parallel path (``shard_map``, the explicit fp32 reduction, the sharded update) over
+  the plain step; on several, ZeRO-3 itself;
 * ``torch_amp_bf16``, ``torch_amp_fp16``, ``torch_compile_bf16`` (ResNet-50 only):
   torchvision's ResNet-50 under ``torch.autocast``, eager with ``torch.optim.AdamW``'s defaults,
   and one row under ``torch.compile``.
@@ -80,6 +84,7 @@ class Precision:
     skip: str | None = None  # mixed_precision(skip=...)
     peak: str = "bfloat16"  # the dtype of the matmuls: bfloat16, float16, float32
     torch_compile: bool = False
+    zero: int = 0  # 0: one device, as the user jits it; 3: state_sharding(params="sharded")
 
 
 PRECISIONS = {
@@ -97,6 +102,9 @@ PRECISIONS = {
                               "float32", "highest", skip="auto", peak="float32"),
     "autocast_bf16": Precision("make_train_step(autocast=True), mixed_bfloat16", "autocast",
                                "mixed_bfloat16", skip="auto"),
+    "mixed_bfloat16_zero3": Precision("jaxamp mixed_bfloat16 on a mesh of every device, state "
+                                      "sharded (ZeRO-3), skip='auto'", "jaxamp",
+                                      "mixed_bfloat16", skip="auto", zero=3),
     "torch_amp_bf16": Precision("PyTorch eager, torch.autocast(bfloat16), AdamW defaults",
                                 "torch"),
     "torch_amp_fp16": Precision("PyTorch eager, torch.autocast(float16) + GradScaler, AdamW "
@@ -110,7 +118,7 @@ MODEL_PRECISIONS = {  # in the order they run: what matters most first, torch.co
     "resnet50": ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "torch_amp_bf16",
                  "fp32_default", "mixed_float16", "torch_amp_fp16", "fp32_highest",
                  "torch_compile_bf16"),
-    "bert_large": _JAX,
+    "bert_large": _JAX + ("mixed_bfloat16_zero3",),
     "nnx_gpt": ("autocast_bf16", "fp32_default"),
 }
 UNITS = {"image": "img/s", "text": "seq/s", "lm": "seq/s"}
@@ -188,15 +196,6 @@ def _batch(case: dict) -> dict:
     return {"tokens": jnp.asarray(rng.integers(0, vocab, (b, case["seq"] + 1)), jnp.int32)}
 
 
-def tiny_compiler_options(tiny: bool) -> dict | None:
-    """At ``--tiny`` on a CPU, compiling dominates: XLA:CPU builds the little programs at -O0
-    and without its fusion emitters (a third of the time). Nothing changes elsewhere."""
-    if tiny and jax.default_backend() == "cpu":
-        return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                "xla_cpu_use_fusion_emitters": False}
-    return None
-
-
 def _init(case: dict, tiny: bool) -> tuple[Any, Any]:
     """``(fp32 params, model state)`` of ``case``'s model, initialised in one jitted program
     (op by op, a ResNet's init compiles dozens of little programs)."""
@@ -206,7 +205,7 @@ def _init(case: dict, tiny: bool) -> tuple[Any, Any]:
         _, params, model_state = models.split(models.build(case["model"], "float32",
                                                            **case["kw"]))
         return params, model_state
-    return jax.jit(init).lower().compile(tiny_compiler_options(tiny))()
+    return jax.jit(init).lower().compile(harness.tiny_compiler_options(tiny))()
 
 
 def _loss(case: dict, graphdef) -> tuple[Callable, dict]:
@@ -365,7 +364,7 @@ def measure_matmul_peak(dtype_name: str, matmul_precision: str | None, n: int,
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
     with _precision_context(matmul_precision):
         f = jax.jit(lambda x, y: x @ y).lower(a, b).compile(
-            tiny_compiler_options(jax.default_backend() == "cpu"))
+            harness.tiny_compiler_options(jax.default_backend() == "cpu"))
     jax.block_until_ready(f(a, b))
     best = math.inf
     for _ in range(3):
@@ -421,7 +420,7 @@ class Context:
 
     @property
     def compiler_options(self) -> dict | None:
-        return tiny_compiler_options(self.args.tiny)
+        return harness.tiny_compiler_options(self.args.tiny)
 
     def params(self, model: str):
         if model not in self.model_cache:
@@ -455,10 +454,14 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
     """The measured fields of one JAX configuration."""
     params, model_state = ctx.params(model)
     built = _build(ctx.cases[model], prec, params, model_state, ctx.compiler_options)
+    jit_kwargs: dict[str, Any] = {}
+    if prec.zero:
+        built, jit_kwargs = _on_mesh(built, prec.zero)
     with _precision_context(prec.matmul_precision):
         effective = effective_matmul_precision()
         t0 = time.perf_counter()
-        lowered = jax.jit(built.step, donate_argnums=0).lower(built.state, built.batch)
+        lowered = jax.jit(built.step, donate_argnums=0, **jit_kwargs).lower(built.state,
+                                                                             built.batch)
         dots = dot_precisions(lowered.as_text())
         compiled = lowered.compile(ctx.compiler_options)
         compile_s = time.perf_counter() - t0
@@ -491,6 +494,23 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
            "matmul_precision": effective, "dot_precision": dots}
     del state, metrics, compiled
     return row
+
+
+def _on_mesh(built: Built, zero: int) -> tuple[Built, dict]:
+    """``built`` with its state and batch on a mesh of every device, the state sharded by
+    :func:`jaxamp.state_sharding`; and the ``jax.jit`` shardings of its step."""
+    batch = jax.tree.leaves(built.batch)[0].shape[0]
+    # Every device (the largest count that splits the batch: the --tiny batch on 8 CPUs).
+    n = max(d for d in range(1, jax.device_count() + 1) if batch % d == 0)
+    mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+    shardings = jaxamp.state_sharding(built.state, mesh,
+                                      params="sharded" if zero == 3 else "replicated")
+    batch_sharding = jaxamp.batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    placed = dataclasses.replace(built, state=jax.device_put(built.state, shardings),
+                                 batch=jaxamp.put_sharded(built.batch, batch_sharding))
+    return placed, {"in_shardings": (shardings, batch_sharding),
+                    "out_shardings": (shardings, replicated)}
 
 
 def measure_torch(model: str, prec: Precision, ctx: Context) -> dict:

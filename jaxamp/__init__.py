@@ -13,7 +13,8 @@ One module per concept:
 * ``train_step``: :class:`TrainState` and :func:`make_train_step`;
 * ``ops``: fp32 norms, softmaxes, GELU and the loss that save half-precision tensors for
   the backward pass, for hand-built models (reached as ``jaxamp.ops.layer_norm``);
-* ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``;
+* ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``, and the
+  sharded (ZeRO) state;
 * ``autocasting``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
 """
@@ -44,10 +45,13 @@ from jaxamp.master_weights import working_params
 from jaxamp.overflow import OverflowReport
 from jaxamp.overflow import explain_overflow
 from jaxamp.parallel import batch_sharding
+from jaxamp.parallel import per_device_bytes
 from jaxamp.parallel import put_sharded
 from jaxamp.parallel import replicate
 from jaxamp.parallel import shard_batch
+from jaxamp.parallel import state_sharding
 from jaxamp.parallel import unreplicate
+from jaxamp.parallel import zero_spec
 from jaxamp.policy import PRESETS
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
@@ -85,13 +89,16 @@ __all__ = (
     "mixed_precision",
     "nonfinite_leaf_path",
     "ops",
+    "per_device_bytes",
     "policy_of",
     "put_sharded",
     "replicate",
     "resolve_auto",
     "scale_loss",
     "shard_batch",
+    "state_sharding",
     "tree_path_str",
     "unreplicate",
     "working_params",
+    "zero_spec",
 )

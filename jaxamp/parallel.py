@@ -1,7 +1,14 @@
-"""Helpers to lay a state and a batch out for ``jax.pmap`` or a sharded ``jax.jit``."""
+"""Laying a state and a batch out for ``jax.pmap`` or a sharded ``jax.jit``.
+
+``replicate``/``shard_batch`` prepare ``pmap``; ``batch_sharding``/``put_sharded`` split a batch
+over a mesh axis for ``jit``; :func:`state_sharding` shards the optimizer state (ZeRO-1/2) and
+optionally the working params (ZeRO-3) over that axis, by the rule of :func:`zero_spec`.
+"""
 
 from __future__ import annotations
 
+import collections
+import math
 from typing import Any
 
 import jax
@@ -11,7 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-__all__ = ["replicate", "unreplicate", "shard_batch", "batch_sharding", "put_sharded"]
+__all__ = ["batch_sharding", "per_device_bytes", "put_sharded", "replicate", "shard_batch",
+           "state_sharding", "unreplicate", "zero_spec"]
 
 
 def _check_divisible(batch: Any, n: int, what: str) -> None:
@@ -93,3 +101,185 @@ def put_sharded(batch: Any, sharding: NamedSharding | None = None) -> Any:
     _check_divisible(batch, n, "number of devices the batch is split over")
     return jax.device_put(batch, sharding)
 
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded state: ZeRO-1/2 and ZeRO-3
+# --------------------------------------------------------------------------------------------
+
+MIN_SHARD_SIZE = 2**12
+_PARAMS_MODES = ("replicated", "sharded")
+
+
+def axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``"batch"`` -> ``("batch",)``; a tuple of names stays as it is."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def spec_entry(axis: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    names = axis_names(axis)
+    return names[0] if len(names) == 1 else names
+
+
+def _mesh_sizes(mesh: Any) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def check_mesh_axis(mesh: Any, axis: Any, argument: str) -> tuple[str, ...]:
+    """The names of ``axis``, each checked to be an axis of ``mesh``."""
+    if isinstance(axis, str):
+        names: tuple[str, ...] = (axis,)
+    elif isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis):
+        names = axis
+    else:
+        raise TypeError(f"{argument} must be a mesh axis name or a tuple of names, got "
+                        f"{axis!r}; e.g. {argument}='batch'")
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"{argument}={axis!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)} with sizes {tuple(mesh.axis_sizes)}; pass one of them "
+            f"({argument}={mesh.axis_names[0]!r}), or build the mesh with that name: "
+            f"jax.make_mesh((jax.device_count(),), ({names[0]!r},))")
+    return names
+
+
+def zero_spec(shape: tuple[int, ...], axis: str | tuple[str, ...], axis_size: int, *,
+              base: PartitionSpec | None = None,
+              min_size: int = MIN_SHARD_SIZE) -> PartitionSpec:
+    """The spec of one leaf of a sharded state: ``base`` with ``axis`` added on one dimension.
+
+    The rule: a leaf of at least ``min_size`` elements is split over ``axis`` along its
+    largest dimension that ``axis_size`` divides and that ``base`` leaves unsharded (the first
+    such on ties). A smaller leaf (a bias, a norm's scale, a scalar) or one with no such
+    dimension keeps ``base`` (replicated over ``axis``).
+
+    >>> zero_spec((1024, 4096), "batch", 8)
+    P(None, 'batch')
+    >>> zero_spec((30522, 1024), "batch", 8)   # 30522 is not a multiple of 8
+    P(None, 'batch')
+    >>> zero_spec((1024,), "batch", 8)         # fewer than 4096 elements: replicated
+    P()
+    """
+    base = PartitionSpec() if base is None else base
+    spec = list(base) + [None] * (len(shape) - len(base))
+    used = {a for s in spec if s is not None for a in axis_names(s)}
+    free = [d for d, n in enumerate(shape) if spec[d] is None and n % axis_size == 0
+            and n >= axis_size]
+    if free and not used & set(axis_names(axis)) and math.prod(shape) >= min_size:
+        spec[max(free, key=lambda d: (shape[d], -d))] = spec_entry(axis)
+    while spec and spec[-1] is None:  # P('batch') rather than P('batch', None)
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+def _base_spec(leaf: Any, mesh: Any) -> PartitionSpec:
+    """The spec ``leaf`` already has on a mesh with ``mesh``'s axes (tensor parallelism over
+    another axis is kept), else ``P()``."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and _mesh_sizes(sharding.mesh) == _mesh_sizes(mesh):
+        return sharding.spec
+    return PartitionSpec()
+
+
+def state_sharding(state: Any, mesh: Mesh, *, axis: str | tuple[str, ...] = "batch",
+                   params: str = "replicated", min_size: int = MIN_SHARD_SIZE) -> Any:
+    """``NamedSharding`` s for every leaf of a :class:`jaxamp.TrainState`: ZeRO over ``axis``.
+
+    - The optimizer state (the fp32 master and the inner optimizer's state, the Adam moments)
+      is split over ``axis``, each leaf along one dimension by the rule of :func:`zero_spec`:
+      leaves of at least ``min_size`` elements (default 4096) along their largest dimension
+      that the axis size divides; smaller or indivisible leaves are replicated. This is
+      ZeRO-1/2: under :func:`jaxamp.make_train_step` the gradients are reduce-scattered in
+      fp32 onto this sharding, and the update runs on each device's shard.
+    - ``params="replicated"`` keeps the working params whole on every device (cast from the
+      master shards and all-gathered in the compute dtype after each update);
+      ``params="sharded"`` splits them like the master (ZeRO-3, FSDP), and the step
+      all-gathers them in the compute dtype for the forward and backward pass.
+    - The step counter, the loss scale and counters, the rng and the model state (BatchNorm
+      statistics) are replicated.
+
+    A leaf that is already sharded over another axis of the same mesh (tensor parallelism)
+    keeps that and gets ``axis`` on a free dimension. ``state`` may be concrete or abstract
+    (``jax.eval_shape``); the result is a ``TrainState`` of shardings for ``jax.jit``'s
+    ``in_shardings``/``out_shardings``, ``jax.device_put`` and orbax's restore targets.
+
+    >>> import jax, jax.numpy as jnp, optax, jaxamp
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16")
+    >>> state = jaxamp.TrainState.create(params={"w": jnp.ones((64, 128))}, tx=tx)
+    >>> shardings = state_sharding(state, mesh)
+    >>> shardings.opt_state.master_params["w"].spec, shardings.params["w"].spec
+    (P(None, 'batch'), P())
+    >>> state_sharding(state, mesh, params="sharded").params["w"].spec
+    P(None, 'batch')
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} "
+                        f"{mesh!r}; build one with jax.make_mesh((jax.device_count(),), "
+                        "('batch',))")
+    names = check_mesh_axis(mesh, axis, "axis")
+    if params not in _PARAMS_MODES:
+        raise ValueError(f"params must be 'replicated' (ZeRO-1/2) or 'sharded' (ZeRO-3), got "
+                         f"{params!r}")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(f"min_size must be an int >= 1, got {min_size!r}; leaves with fewer "
+                         "elements stay replicated (default 4096)")
+    for field in ("params", "opt_state", "step"):
+        if not hasattr(state, field):
+            raise TypeError(f"state_sharding expects a jaxamp.TrainState, got "
+                            f"{type(state).__name__}; build it with "
+                            "jaxamp.TrainState.create(params=..., tx=...)")
+    size = math.prod(_mesh_sizes(mesh)[a] for a in names)
+
+    def zero(x):
+        spec = zero_spec(tuple(np.shape(x)), axis, size, base=_base_spec(x, mesh),
+                         min_size=min_size)
+        return NamedSharding(mesh, spec)
+
+    def kept(x):
+        return NamedSharding(mesh, _base_spec(x, mesh))
+
+    return type(state).replace(
+        jax.tree.map(kept, state),
+        params=jax.tree.map(zero if params == "sharded" else kept, state.params),
+        opt_state=jax.tree.map(zero, state.opt_state))
+
+
+def per_device_bytes(tree: Any, shardings: Any = None) -> int:
+    """The bytes of ``tree`` that the fullest device holds.
+
+    Concrete arrays are counted from their ``addressable_shards``; abstract leaves
+    (``jax.ShapeDtypeStruct``, or any leaf with ``shardings`` given) from the shard shape of
+    their sharding, as on every device. A leaf without a sharding counts whole.
+
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((8,), ("batch",))
+    >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    >>> per_device_bytes(x), per_device_bytes(x, NamedSharding(mesh, PartitionSpec("batch")))
+    (4194304, 524288)
+    """
+    leaves = jax.tree.leaves(tree)
+    if shardings is None:
+        shards = [getattr(x, "sharding", None) for x in leaves]
+    else:
+        shards = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    if len(shards) != len(leaves):
+        raise ValueError(f"shardings has {len(shards)} leaves but tree has {len(leaves)}; pass "
+                         "a tree of shardings with the structure of tree, e.g. "
+                         "jaxamp.state_sharding(state, mesh)")
+    per_device: collections.Counter = collections.Counter()
+    whole = 0
+    for x, sharding in zip(leaves, shards, strict=True):
+        itemsize = np.dtype(x.dtype).itemsize if not jax.dtypes.issubdtype(
+            x.dtype, jax.dtypes.prng_key) else x.dtype.itemsize
+        if isinstance(x, jax.Array) and shardings is None and not isinstance(x, jax.core.Tracer):
+            for shard in x.addressable_shards:
+                per_device[shard.device] += math.prod(shard.data.shape) * itemsize
+        elif isinstance(sharding, jax.sharding.Sharding):
+            nbytes = math.prod(sharding.shard_shape(tuple(x.shape))) * itemsize
+            for device in sharding.device_set:
+                per_device[device] += nbytes
+        else:
+            whole += math.prod(np.shape(x)) * itemsize
+    return whole + max(per_device.values(), default=0)

@@ -7,7 +7,11 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
 2. take the gradient of ``loss * scale`` with respect to the working params;
 3. with ``accum_steps=k``, split the batch into k micro-batches and sum their gradients in fp32
    under ``lax.scan``, all with the same scale;
-4. with ``axis_name``, ``pmean`` the gradients in ``reduce_dtype`` (fp32 by default);
+4. average the gradients over the devices in ``reduce_dtype`` (fp32 by default): with
+   ``axis_name``, a ``pmean`` over the ``pmap``/``shard_map`` axis; under ``jax.jit`` with the
+   batch on a mesh, each device's gradient is computed inside ``shard_map`` over the data axis
+   and reduced with an explicit ``pmean`` (replicated optimizer state) or ``psum_scatter``
+   (sharded optimizer state, :func:`jaxamp.state_sharding`), never by XLA in bf16;
 5. let :func:`jaxamp.mixed_precision` unscale, check finiteness (after the reduction, so every
    device decides the same), update the master and adjust the scale;
 6. set the working params to the cast of the new master; on a skipped step, keep the old
@@ -22,6 +26,7 @@ harmful one is a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +36,11 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
+from jaxamp import _data_parallel
 from jaxamp._jaxpr import walk
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
@@ -44,6 +52,7 @@ from jaxamp.gradients import grad_stats
 from jaxamp.master_weights import MixedPrecisionState
 from jaxamp.master_weights import find_state
 from jaxamp.master_weights import maybe_find_state
+from jaxamp.parallel import check_mesh_axis
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
 
@@ -149,10 +158,12 @@ class _StepConfig:
     warn_fp32_matmuls: bool
     sync_model_state: bool
     autocast: bool
+    mesh: Any
+    data_axis: Any
 
 
 def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
-                          axis_name: Any) -> None:
+                          axis_name: Any, mesh: Any, data_axis: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
                         f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
@@ -165,6 +176,17 @@ def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
     if axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(f"axis_name must be a string or None, got {axis_name!r}; pass the "
                         "axis_name given to jax.pmap or shard_map, or None under jax.jit")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__} "
+                        f"{mesh!r}; e.g. jax.make_mesh((jax.device_count(),), ('batch',))")
+    if data_axis not in (None, _data_parallel.AUTO):
+        if mesh is not None:
+            check_mesh_axis(mesh, data_axis, "data_axis")
+        elif not (isinstance(data_axis, str) or (
+                isinstance(data_axis, tuple) and data_axis
+                and all(isinstance(a, str) for a in data_axis))):
+            raise TypeError(f"data_axis must be 'auto', None, a mesh axis name or a tuple of "
+                            f"names, got {data_axis!r}")
 
 
 def make_train_step(
@@ -179,6 +201,8 @@ def make_train_step(
     warn_fp32_matmuls: bool = True,
     sync_model_state: bool = True,
     autocast: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | tuple[str, ...] | None = "auto",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
@@ -198,11 +222,29 @@ def make_train_step(
         micro-batch index and, under ``axis_name``, the device index.
       accum_steps: micro-batches per step. The batch's leading axis is split into this many;
         the gradients are summed in fp32 and the optimizer runs once.
-      axis_name: the pmap/shard_map axis to average gradients, loss and metrics over.
-      reduce_dtype: dtype of the cross-device gradient mean (fp32, or bf16 to halve traffic).
+      axis_name: the pmap/shard_map axis to average gradients, loss and metrics over, when
+        the step runs under the caller's ``jax.pmap`` or ``shard_map``.
+      reduce_dtype: dtype of the cross-device gradient mean (fp32, or bf16 to halve traffic),
+        under ``axis_name`` and under a data-parallel ``jit`` alike.
       sync_model_state: with ``axis_name`` and ``has_model_state``, average the floating
         leaves of the new model state (BatchNorm running statistics) over the axis, so that
-        replicas stay identical. Integer leaves are kept per device.
+        replicas stay identical. Integer leaves are kept per device. (Under a data-parallel
+        ``jit`` the state is one array for all devices: always averaged, integer leaves
+        taking the maximum.)
+      mesh: the device mesh of a data-parallel step under ``jax.jit``. Default: the mesh set
+        with ``jax.set_mesh``, else the one the batch (or the state) lives on. No mesh: one
+        device.
+      data_axis: the mesh axis (or tuple of axes) the batch is split over. Each device's
+        gradient is computed inside ``jax.shard_map`` over it and averaged with an explicit
+        collective in ``reduce_dtype``: a ``pmean``, or a ``psum_scatter`` onto the master's
+        shard under :func:`jaxamp.state_sharding`. The loss is averaged too, the model state
+        synchronised, the rng folded with the device index (as under ``pmap``), and each aux
+        output gains a leading axis with one entry per device (per micro-batch with
+        ``accum_steps``). ``"auto"`` (default): the axis the batch's type says it is split
+        over (``Explicit`` mesh axes), else the axis named ``"batch"``; else the batch is
+        taken as not split (tensor parallelism), with a warning when it lies on an ``Auto``
+        mesh under a half-precision policy. ``None``: no ``shard_map``; under a sharded
+        batch XLA then reduces the gradients itself, in their dtype (bf16 for bf16 params).
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
         in fp32 (a promotion by an fp32 param or activation). The check never raises.
       autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
@@ -233,9 +275,10 @@ def make_train_step(
     1.0 16384.0 True
     """
     reduce_dtype = jnp.dtype(reduce_dtype)
-    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name)
+    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name, mesh, data_axis)
     config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
-                         reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast))
+                         reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast),
+                         mesh, data_axis)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return _step(config, state, batch)
@@ -248,25 +291,91 @@ def make_train_step(
 
 def _step(config: _StepConfig, state: TrainState, batch: Any):
     mp = _checked_optimizer_state(config, state)
+    dp = None if config.axis_name is not None else _data_parallel.find(
+        config.mesh, config.data_axis, state, batch,
+        warn_implicit=_has_half_params(state.policy, state.params))
     scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
     batch = state.policy.cast_to_compute(batch)
     rng = _step_rng(config, state)
-    if config.accum_steps == 1:
-        loss, grads, new_model_state, aux = _micro_batch(config, state, scale, state.model_state,
-                                                         batch, rng)
+    if dp is not None:
+        _data_parallel.check_batch(dp, batch, config.accum_steps)
+        loss, grads, new_model_state, aux = _sharded_gradients(config, dp, state, scale, batch,
+                                                               rng)
     else:
-        loss, grads, new_model_state, aux = _accumulate(config, state, scale, batch, rng)
+        loss, grads, new_model_state, aux = _gradients(config, state.policy, state.params,
+                                                       scale, state.model_state, batch, rng)
     if config.axis_name is not None:
         loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
                                                               new_model_state)
-    new_state, metrics = _apply_update(state, grads, mp is not None)
-    if config.has_model_state:
-        model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
-        new_state = dataclasses.replace(new_state, model_state=model_state)
+
+    def update(state, grads, new_model_state, cast_sharding=None):
+        new_state, metrics = _apply_update(state, grads, mp is not None, cast_sharding)
+        if config.has_model_state:
+            model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
+            new_state = dataclasses.replace(new_state, model_state=model_state)
+        return new_state, metrics
+
+    if dp is not None and dp.explicit:
+        # The update is the optimizer's own code (norms, masks, any optax transform): it runs
+        # with the mesh axes Auto, as under any jit, and hands back the state's own shardings.
+        # The working params are cast on the master's shards, then gathered in their dtype.
+        replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
+        cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
+                                     state.params if mp is None else mp.master_params)
+        update = functools.partial(jax.sharding.auto_axes(update, out_sharding=(
+            jax.tree.map(dp.sharding_of, state), replicated)), cast_sharding=cast_sharding)
+    new_state, metrics = update(state, grads, new_model_state)
     metrics = {"loss": loss, "loss_scale": scale, **metrics}
     if config.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
+
+
+def _has_half_params(policy: Policy, params: Any) -> bool:
+    return any(d is not None and jnp.dtype(d).itemsize < 4 for d in policy.working_dtypes(params))
+
+
+def _gradients(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
+    """``(loss, gradients of loss * scale, new model state, aux)`` of one device's batch."""
+    if config.accum_steps == 1:
+        return _micro_batch(config, policy, params, scale, model_state, batch, rng)
+    return _accumulate(config, policy, params, scale, model_state, batch, rng)
+
+
+def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
+                       state: TrainState, scale, batch, rng):
+    """:func:`_gradients` of each device's shard of the batch under ``shard_map`` over the data
+    axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
+    optimizer state is sharded, else ``pmean``. ZeRO-3 params are all-gathered inside, in the
+    compute dtype, and never differentiated through the gather (whose transpose would
+    reduce-scatter in bf16)."""
+    mp = maybe_find_state(state.opt_state)
+    master = state.params if mp is None else mp.master_params
+    param_specs = jax.tree.map(dp.spec_of, state.params)
+    grad_specs = jax.tree.map(dp.spec_of, master)
+
+    def local(params, model_state, batch, scale, rng):
+        params = _data_parallel.to_varying(_data_parallel.gather(dp, params, param_specs),
+                                           dp.names)
+        if config.has_model_state:  # a scan over micro-batches carries it with the batch's type
+            model_state = _data_parallel.to_varying(model_state, dp.names)
+        if rng is not None:
+            rng = jax.random.fold_in(rng, lax.axis_index(dp.names))
+        loss, grads, new_model_state, aux = _gradients(config, state.policy, params, scale,
+                                                       model_state, batch, rng)
+        grads = _data_parallel.reduce(dp, grads, grad_specs, config.reduce_dtype)
+        new_model_state = (_data_parallel.sync(dp, new_model_state) if config.has_model_state
+                           else None)
+        aux = _data_parallel.stack(dp, aux, stacked=config.accum_steps > 1)
+        return lax.pmean(loss, dp.names), grads, new_model_state, aux
+
+    replicated, split = PartitionSpec(), PartitionSpec(_data_parallel.spec_entry(dp.names))
+    return jax.shard_map(
+        local, mesh=dp.mesh, axis_names=frozenset(dp.names),
+        in_specs=(param_specs, replicated, split, replicated, replicated),
+        out_specs=(replicated, grad_specs, replicated, split),
+    )(state.params, dp.place(state.model_state, replicated), dp.place(batch, split),
+      scale, rng)
 
 
 def _checked_optimizer_state(config: _StepConfig, state: TrainState):
@@ -292,9 +401,9 @@ def _step_rng(config: _StepConfig, state: TrainState):
     return rng
 
 
-def _micro_batch(config: _StepConfig, state: TrainState, scale, model_state, batch, rng):
+def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
     """``(loss, grads of loss * scale, new model state, aux)`` of one micro-batch."""
-    loss_fn = _autocast(config.loss_fn, state.policy) if config.autocast else config.loss_fn
+    loss_fn = _autocast(config.loss_fn, policy) if config.autocast else config.loss_fn
 
     def scaled(params):
         kwargs = {}
@@ -307,10 +416,9 @@ def _micro_batch(config: _StepConfig, state: TrainState, scale, model_state, bat
         loss = check_loss(loss)
         return loss * scale, (loss, new_model_state, aux)
 
-    if config.warn_fp32_matmuls and state.policy.compute_dtype != jnp.float32:
-        _warn_fp32_matmuls(scaled, state.params, state.policy)
-    (_, (loss, new_model_state, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(
-        state.params)
+    if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
+        _warn_fp32_matmuls(scaled, params, policy)
+    (_, (loss, new_model_state, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
     return loss, grads, new_model_state, aux
 
 
@@ -327,7 +435,7 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def _accumulate(config: _StepConfig, state: TrainState, scale, batch, rng):
+def _accumulate(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
     """The mean of the micro-batches' gradients, summed in fp32 under ``lax.scan``, all with
     the same scale; the model state threads through the micro-batches."""
     k = config.accum_steps
@@ -336,14 +444,15 @@ def _accumulate(config: _StepConfig, state: TrainState, scale, batch, rng):
         acc, model_state = carry
         micro_batch, index = xs
         micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-        loss, grads, new_ms, aux = _micro_batch(config, state, scale, model_state, micro_batch,
-                                                micro_rng)
+        loss, grads, new_ms, aux = _micro_batch(config, policy, params, scale, model_state,
+                                                micro_batch, micro_rng)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         return (acc, new_ms if config.has_model_state else model_state), (loss, aux)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    # zeros_like keeps a param's type: varying over the data axis inside shard_map.
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     (acc, new_model_state), (losses, aux) = lax.scan(
-        body, (zeros, state.model_state), (_split_microbatches(batch, k), jnp.arange(k)))
+        body, (zeros, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
     inv_k = jnp.float32(1.0 / k)
     return jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux
 
@@ -361,14 +470,17 @@ def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):
     return loss, grads, new_model_state
 
 
-def _apply_update(state: TrainState, grads: Any, mixed: bool):
+def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any = None):
     """The optimizer's update and the metrics it reports. With
     :func:`jaxamp.mixed_precision` the transform decides the skip; a plain optax transform is
-    skipped here on non-finite gradients, with the same metrics."""
+    skipped here on non-finite gradients, with the same metrics. ``cast_sharding``: where the
+    cast of the master to the working params runs (the master's shards)."""
     if mixed:
         _, opt_state = state.tx.update(grads, state.opt_state, state.params)
         mp = find_state(opt_state)
         params = state.policy.cast_params_to_compute(mp.master_params)
+        if cast_sharding is not None:
+            params = lax.with_sharding_constraint(params, cast_sharding)
         metrics = {"grads_finite": mp.grads_finite, "skipped_steps": mp.skipped_steps,
                    "grad_norm": mp.grad_norm, "nonfinite_leaves": mp.nonfinite_leaves,
                    "first_nonfinite_leaf": mp.first_nonfinite_leaf,

@@ -34,3 +34,20 @@ def test_readme_autocast_quickstart_runs():
     assert int(state.step) == 10
     import jaxamp
     assert jaxamp.audit(step, state, batch).share("bfloat16") >= 0.99
+
+
+def test_readme_sharded_state_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    sharded = [b for b in blocks if "jaxamp.state_sharding(" in b]
+    assert len(sharded) == 1, "README.md has no sharded-state example"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102  (state, batch, loss_fn)
+    exec(compile(sharded[0], str(README), "exec"), namespace)  # noqa: S102
+    import jax
+
+    import jaxamp
+    state = namespace["state"]
+    assert int(state.step) == 21 and float(namespace["metrics"]["loss"]) > 0
+    master = jaxamp.find_state(state.opt_state).master_params["w1"]
+    assert master.sharding.spec == jax.sharding.PartitionSpec(None, "batch")   # (64, 128)
+    assert master.addressable_shards[0].data.shape == (64, 16)

@@ -51,6 +51,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--parallel", choices=("none", "pmap", "jit"))
+    ap.add_argument("--zero", type=int, choices=(0, 1, 3),
+                    help="with --parallel jit: 1 shards the fp32 master and the optimizer state "
+                         "over the devices (ZeRO-1/2), 3 the working params too (ZeRO-3); "
+                         "default 0, replicated")
     ap.add_argument("--loss-scale", choices=("auto", "dynamic", "static", "none"))
     ap.add_argument("--init-scale", type=float)
     ap.add_argument("--growth-interval", type=int)

@@ -24,9 +24,12 @@ def scalar(x) -> float:
 
 
 def row(metrics: dict) -> dict[str, float]:
-    """One log row: every metric of a step as a float, its ``aux`` outputs as ``aux_<name>``."""
+    """One log row: every metric of a step as a float, its ``aux`` outputs as ``aux_<name>``,
+    averaged over the devices and micro-batches they come per (under ``pmap``, a data-parallel
+    ``jit`` and ``accum_steps``)."""
     out = {k: scalar(v) for k, v in metrics.items() if k != "aux"}
-    out.update({f"aux_{k}": scalar(v) for k, v in metrics.get("aux", {}).items()})
+    out.update({f"aux_{k}": float(np.mean(np.asarray(jax.device_get(v), np.float64)))
+                for k, v in metrics.get("aux", {}).items()})
     return out
 
 

@@ -81,7 +81,7 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     final = unput(state)
     summary = _summary(config, final, stopped, start if resume else None)
     if stopped is None:
-        summary.update(evaluate(config, final, eval_fn, flags, evals))
+        summary.update(evaluate(config, _gathered(final), eval_fn, flags, evals))
         if is_chief:
             plot_run(workdir)
     if is_chief:
@@ -290,16 +290,30 @@ def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
     if config.parallel == "none":
         step = jax.jit(step_fn, donate_argnums=0)
         return step, state, (lambda b: b), (lambda s: s)
+    if config.zero not in (0, 1, 3):
+        raise ValueError(f"unknown zero {config.zero!r}; expected 0 (replicated state), 1 "
+                         "(ZeRO-1/2: master and optimizer state sharded) or 3 (ZeRO-3)")
+    if config.zero and config.parallel != "jit":
+        raise ValueError(f"zero={config.zero} shards the state over a mesh under "
+                         f"parallel='jit', not parallel={config.parallel!r}; use --parallel jit")
     if config.parallel == "jit":
-        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+        # Explicit mesh axes (jax.make_mesh's default): the step reads the state's sharding
+        # from its type and reduce-scatters the fp32 gradients onto the master's shards.
+        mesh = jax.make_mesh((jax.device_count(),), ("batch",))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        if config.zero:
+            shardings = jaxamp.state_sharding(state, mesh, params="sharded" if config.zero == 3
+                                              else "replicated")
+        else:
+            shardings = jax.tree.map(lambda _: replicated, state)
         sharding = jaxamp.batch_sharding(mesh)
-        state = jax.device_put(state, replicated)
+        state = jax.device_put(state, shardings)
 
         def put(batch):
             return jax.make_array_from_process_local_data(sharding, batch) \
                 if jax.process_count() > 1 else jaxamp.put_sharded(batch, sharding)
-        step = jax.jit(step_fn, donate_argnums=0, out_shardings=(replicated, replicated))
+        step = jax.jit(step_fn, donate_argnums=0, in_shardings=(shardings, sharding),
+                       out_shardings=(shardings, replicated))
         return step, state, put, (lambda s: s)
     if config.parallel == "pmap":
         if jax.process_count() > 1:
@@ -308,6 +322,18 @@ def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
         step = jax.pmap(step_fn, axis_name="batch", donate_argnums=0)
         return step, jaxamp.replicate(state), jaxamp.shard_batch, jaxamp.unreplicate
     raise ValueError(f"unknown parallel {config.parallel!r}; expected none, pmap or jit")
+
+
+def _gathered(state: jaxamp.TrainState) -> jaxamp.TrainState:
+    """``state`` with its working params whole on every device of their mesh (ZeRO-3 keeps
+    them sharded between steps), for an eval that is a plain jit of the model."""
+    def whole(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated:
+            return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
+                                                                jax.sharding.PartitionSpec()))
+        return x
+    return dataclasses.replace(state, params=jax.tree.map(whole, state.params))
 
 
 class _Stop:

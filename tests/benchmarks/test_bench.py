@@ -408,3 +408,31 @@ def test_gpu_suite_torch_rows_are_error_rows_without_torch(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "torch", None)   # import torch raises ImportError
     monkeypatch.setitem(sys.modules, "torchvision", None)
     _check_torch_rows_say_torch_is_missing(tmp_path)
+
+
+def test_zero_suite_shards_the_state_and_reduces_in_fp32(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "zero.jsonl")
+    state = {r["layout"]: r for r in rows if r["table"] == "state"}
+    steps = {r["layout"]: r for r in rows if r["table"] == "steps"}
+    assert list(state) == ["replicated", "zero1", "zero3"]
+    assert list(steps) == ["implicit", "replicated", "zero1", "zero3", "zero1_auto"]
+    # bf16 working params + fp32 master + two fp32 moments, per param, on 8 devices.
+    assert state["replicated"]["bytes_per_param"] == pytest.approx(14.0, rel=1e-3)
+    assert state["zero1"]["master_and_moments"] < 12 / 8 * 1.2
+    assert state["zero3"]["bytes_per_param"] < 14 / 8 * 1.2
+    assert state["zero3"]["bytes_per_param"] < state["zero1"]["bytes_per_param"]
+    # The program's reductions: none of its own when left to XLA, fp32 collectives otherwise,
+    # reduce-scatters onto the shards of a sharded state on an Explicit mesh, bf16 gathers.
+    assert steps["implicit"]["jaxpr_collectives"] == ""
+    for layout in ("replicated", "zero1", "zero3", "zero1_auto"):
+        assert "psum_invariant float32" in steps[layout]["jaxpr_collectives"]
+        assert "bfloat16" not in steps[layout]["jaxpr_collectives"].replace(
+            "all_gather bfloat16", "")
+    for layout in ("zero1", "zero3"):
+        assert "reduce_scatter float32" in steps[layout]["jaxpr_collectives"]
+        assert "reduce-scatter" in steps[layout]["hlo_collectives"]
+    assert "all_gather bfloat16" in steps["zero3"]["jaxpr_collectives"]
+    assert steps["zero3"]["state_mb_per_device"] < steps["zero1"]["state_mb_per_device"] \
+        < steps["replicated"]["state_mb_per_device"]
+    assert steps["replicated"]["time_vs_replicated"] == 1.0

@@ -23,6 +23,9 @@ class Config:
     warmup_steps: int = 20
     seed: int = 0
     parallel: str = "none"  # none | pmap | jit
+    # parallel="jit" only: 0 replicates the state on every device; 1 shards the fp32 master and
+    # the optimizer state over the devices (ZeRO-1/2); 3 shards the working params too (ZeRO-3).
+    zero: int = 0
     loss_scale: str = "auto"  # auto | dynamic | static | none
     init_scale: float = 2.0**16
     growth_interval: int = 2000
