@@ -141,14 +141,15 @@ def _param_note(rows: list[dict]) -> str:
     return f" ({torch_ac[0]['param_saved_mb']:.4g} MB under autocast)" if torch_ac else ""
 
 
-def _compile_seconds(loss_fn, params, batch, autocast: bool, rounds: int) -> float:
+def _compile_seconds(loss_fn, params, batch, autocast: bool, rounds: int,
+                     options: dict | None = None) -> float:
     tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16")
     state = jaxamp.TrainState.create(params=params, tx=tx)
     times = []
     for _ in range(rounds):
         step = jaxamp.make_train_step(loss_fn, autocast=autocast, warn_fp32_matmuls=False)
         start = time.perf_counter()
-        jax.jit(step).lower(state, batch).compile()
+        jax.jit(step).lower(state, batch).compile(options)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -171,7 +172,8 @@ def run(args) -> list[dict]:
     order = (False, True) if args.tiny else (False, True, False, True)  # interleaved
     for autocast in order:
         timed.setdefault(autocast, []).append(
-            _compile_seconds(loss, params, batch, autocast, 1 if args.tiny else args.rounds))
+            _compile_seconds(loss, params, batch, autocast, 1 if args.tiny else args.rounds,
+                             harness.tiny_compiler_options(args.tiny)))
     plain, cast = (float(np.median(timed[k])) for k in (False, True))
     header = (f"{harness.machine()}; abstract traces, nothing runs. `bf16_share`: matmul/conv "
               "FLOPs of the forward and backward pass with bf16 operands; `half_sensitive_ops`: "

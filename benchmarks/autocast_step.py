@@ -81,7 +81,8 @@ def variants(tiny: bool):
 def run(args) -> list[dict]:
     built, batch, overrides = variants(args.tiny)
     steps = {k: v[0] for k, v in built.items()}
-    compiled, states = harness.compile_variants(steps, batch)
+    compiled, states = harness.compile_variants(steps, batch,
+                                                harness.tiny_compiler_options(args.tiny))
     times = harness.time_rounds({k: harness.stepper(compiled, states, k, batch) for k in steps},
                                 args.rounds)
     ref = "reference, mixed_bfloat16"

@@ -85,12 +85,13 @@ def tiny_compiler_options(tiny: bool) -> dict | None:
     return None
 
 
-def compile_variants(variants: dict[str, Variant], batch):
-    """Jits each step with donation; returns the compiled steps and a live state for each."""
+def compile_variants(variants: dict[str, Variant], batch, options: dict | None = None):
+    """Jits each step with donation (compiled with XLA ``options``, e.g.
+    :func:`tiny_compiler_options`); returns the compiled steps and a live state for each."""
     compiled, states = {}, {}
     for name, v in variants.items():
         b = batch if v.batch is None else v.batch
-        compiled[name] = jax.jit(v.step, donate_argnums=0).lower(v.fresh(), b).compile()
+        compiled[name] = jax.jit(v.step, donate_argnums=0).lower(v.fresh(), b).compile(options)
         states[name] = v.fresh()
     return compiled, states
 

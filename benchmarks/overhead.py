@@ -161,7 +161,8 @@ def _time_columns(times, name) -> dict:
 def run(args) -> list[dict]:
     cfg, batch_size = encoder_config(args.tiny)
     steps, batch = variants(cfg, batch_size, lr=1e-2 if args.tiny else 1e-3)
-    compiled, states = harness.compile_variants(steps, batch)
+    compiled, states = harness.compile_variants(steps, batch,
+                                                harness.tiny_compiler_options(args.tiny))
     costs = {k: harness.cost(c) for k, c in compiled.items()}
     # The first step's loss from a fresh state: every variant must train the same model.
     first = {k: float(compiled[k](v.fresh(), batch)[1]) for k, v in steps.items()}

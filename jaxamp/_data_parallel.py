@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from jaxamp.parallel import axis_names
+from jaxamp.parallel import check_divisible
 from jaxamp.parallel import check_mesh_axis
 from jaxamp.parallel import spec_entry
 
@@ -203,17 +204,10 @@ def find(mesh: Any, data_axis: Any, state: Any, batch: Any, *,
 def check_batch(dp: DataParallel, batch: Any, accum_steps: int) -> None:
     """Every batch leaf's leading axis must split evenly over the devices (and micro-batches)."""
     n = dp.size * accum_steps
-    axis = dp.names[0] if len(dp.names) == 1 else dp.names
-    over = f"the {dp.size} devices of the data axis {axis!r}"
+    over = f"the {dp.size} devices of the data axis {spec_entry(dp.names)!r}"
     if accum_steps > 1:
         over += f" x accum_steps {accum_steps} = {n}"
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = jnp.shape(x)
-        if not shape or shape[0] % n:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, whose "
-                f"leading (batch) axis does not split over {over}; use a batch size that is a "
-                f"multiple of {n}")
+    check_divisible(batch, n, over)
 
 
 def _dim(spec: PartitionSpec) -> int | None:

@@ -22,14 +22,16 @@ __all__ = ["batch_sharding", "per_device_bytes", "put_sharded", "replicate", "sh
            "state_sharding", "unreplicate", "zero_spec"]
 
 
-def _check_divisible(batch: Any, n: int, what: str) -> None:
+def check_divisible(batch: Any, n: int, over: str) -> None:
+    """Every leaf's leading (batch) axis must split into ``n`` equal parts: ``over`` names
+    them in the error (``"the device count 8"``)."""
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = np.shape(x)
         if not shape or shape[0] % n:
             raise ValueError(
                 f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, whose "
-                f"leading (batch) axis is not divisible by the {what} {n}; use a batch size "
-                f"that is a multiple of {n}")
+                f"leading (batch) axis does not split over {over}; use a batch size that is a "
+                f"multiple of {n}")
 
 
 def replicate(tree: Any, devices: list | None = None) -> Any:
@@ -69,7 +71,7 @@ def shard_batch(batch: Any, num_devices: int | None = None) -> Any:
     (4, 2, 3)
     """
     n = num_devices if num_devices is not None else jax.local_device_count()
-    _check_divisible(batch, n, "device count")
+    check_divisible(batch, n, f"the device count {n}")
     return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + tuple(x.shape[1:])), batch)
 
 
@@ -98,7 +100,7 @@ def put_sharded(batch: Any, sharding: NamedSharding | None = None) -> Any:
     spec = sharding.spec[0] if sharding.spec else None
     names = (spec,) if isinstance(spec, str) else tuple(spec or ())
     n = int(np.prod([sharding.mesh.shape[a] for a in names])) if names else 1
-    _check_divisible(batch, n, "number of devices the batch is split over")
+    check_divisible(batch, n, f"the number of devices the batch is split over, {n}")
     return jax.device_put(batch, sharding)
 
 

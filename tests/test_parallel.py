@@ -49,5 +49,5 @@ def test_put_sharded_on_a_two_axis_mesh_splits_over_the_named_axes():
     assert batch["x"].addressable_shards[0].data.shape == (BATCH // 8, 4)
     batch = jaxamp.put_sharded(make_batch(), jaxamp.batch_sharding(mesh, "data"))
     assert batch["x"].addressable_shards[0].data.shape == (BATCH // 4, 4)
-    with pytest.raises(ValueError, match="not divisible by the number of devices"):
+    with pytest.raises(ValueError, match="does not split over the number of devices"):
         jaxamp.put_sharded(make_batch(n=6), jaxamp.batch_sharding(mesh, "data"))

@@ -490,3 +490,26 @@ def test_bad_layouts_give_errors_that_name_the_value_and_the_fix():
                                          r"\{'batch': 4\}"):
         jax.jit(on_mesh4)(placed, make_batch())
 
+
+
+def test_autocast_runs_inside_the_data_parallel_step():
+    """An fp32 model under ``make_train_step(autocast=True)`` on a sharded state: bf16 matmuls
+    inside the ``shard_map``, fp32 reductions, and the same result as ``pmap``."""
+    state = make_state("mixed_bfloat16")
+    batch = make_batch()
+    placed, _, batch_sh = jit_step(state, mesh_of(), "zero3")
+    step = jaxamp.make_train_step(loss_fn, autocast=True)
+    sharded_batch = jaxamp.put_sharded(batch, batch_sh)
+    report = jaxamp.audit(step, placed, sharded_batch)
+    # Every matmul of the model is bf16; the fp32 ones are the gradient norm's sums of squares
+    # (a dot of each fp32-reduced gradient with itself).
+    assert report.share("bfloat16") > 0.98
+    assert report.fp32_matmuls and all("gradients.py" in site.where
+                                       for site in report.fp32_matmuls)
+    found = collectives(step, placed, sharded_batch)
+    assert {d for name, d, _ in found if name != "all_gather"} == {jnp.dtype(F32)}
+    jstate, _ = jax.jit(step)(placed, sharded_batch)
+    pstep = jax.pmap(jaxamp.make_train_step(loss_fn, autocast=True, axis_name="batch"),
+                     axis_name="batch")
+    pstate, _ = pstep(jaxamp.replicate(state), jaxamp.shard_batch(batch))
+    assert_tree_bitwise_equal(master_of(jaxamp.unreplicate(pstate)), master_of(jstate))

@@ -137,7 +137,12 @@ def test_gpu_suite_at_a_tiny_size(tiny_runs):
         assert select["time_vs_cond"] == pytest.approx(select["step_ms"] / cond["step_ms"])
         assert select["loss"] == pytest.approx(cond["loss"], rel=1e-4)  # the same steps
         # FLOPs come from the trace: the same whatever the precision.
-        assert len({by[(model, p)]["flops"] for p in gpu.MODEL_PRECISIONS["bert_large"]}) == 1
+        assert len({by[(model, p)]["flops"] for p in gpu.MODEL_PRECISIONS[model]
+                    if gpu.PRECISIONS[p].kind != "torch"}) == 1
+    # The sharded state trains the same model as the plain step (over a mesh of the devices
+    # that split the tiny batch, so in fp32 rather than bf16 partial sums: close, not equal).
+    zero3 = by[("bert_large", "mixed_bfloat16_zero3")]
+    assert zero3["loss"] == pytest.approx(by[("bert_large", "mixed_bfloat16")]["loss"], rel=1e-2)
     assert by[("nnx_gpt", "autocast_bf16")]["vs_fp32_default"] > 0
     runs = read_jsonl(out / "gpu_runs.jsonl")
     assert len(runs) == 1 and runs[0]["jax"] == jax.__version__ and runs[0]["tiny"]
