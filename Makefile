@@ -17,8 +17,12 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,train,bench]'
 	touch $(STAMP)
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist); a module whose tests share a
+# module-scoped fixture is one xdist group, run by one worker.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q --durations=15 jaxamp tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 jaxamp tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples

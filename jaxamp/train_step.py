@@ -307,28 +307,41 @@ def _step(config: _StepConfig, state: TrainState, batch: Any):
     if config.axis_name is not None:
         loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
                                                               new_model_state)
-
-    def update(state, grads, new_model_state, cast_sharding=None):
-        new_state, metrics = _apply_update(state, grads, mp is not None, cast_sharding)
-        if config.has_model_state:
-            model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
-            new_state = dataclasses.replace(new_state, model_state=model_state)
-        return new_state, metrics
-
     if dp is not None and dp.explicit:
-        # The update is the optimizer's own code (norms, masks, any optax transform): it runs
-        # with the mesh axes Auto, as under any jit, and hands back the state's own shardings.
-        # The working params are cast on the master's shards, then gathered in their dtype.
-        replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
-        cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
-                                     state.params if mp is None else mp.master_params)
-        update = functools.partial(jax.sharding.auto_axes(update, out_sharding=(
-            jax.tree.map(dp.sharding_of, state), replicated)), cast_sharding=cast_sharding)
-    new_state, metrics = update(state, grads, new_model_state)
+        new_state, metrics = _update_on_explicit_mesh(config, dp, state, grads, new_model_state)
+    else:
+        new_state, metrics = _update(config, state, grads, new_model_state)
     metrics = {"loss": loss, "loss_scale": scale, **metrics}
     if config.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
+
+
+def _update(config: _StepConfig, state: TrainState, grads, new_model_state,
+            cast_sharding: Any = None):
+    """The optimizer's update; the new model state, kept only on an applied step."""
+    mixed = maybe_find_state(state.opt_state) is not None
+    new_state, metrics = _apply_update(state, grads, mixed, cast_sharding)
+    if config.has_model_state:
+        model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
+        new_state = dataclasses.replace(new_state, model_state=model_state)
+    return new_state, metrics
+
+
+def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParallel,
+                             state: TrainState, grads, new_model_state):
+    """:func:`_update` where the arrays' types carry their shardings. The optimizer's own code
+    (norms, masks, any optax transform) runs with the mesh axes Auto, as under any ``jit``,
+    and hands back the state's own shardings; the working params are cast on the master's
+    shards and then gathered in their (compute) dtype."""
+    mp = maybe_find_state(state.opt_state)
+    cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
+                                 state.params if mp is None else mp.master_params)
+    replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
+    update = jax.sharding.auto_axes(
+        functools.partial(_update, config, cast_sharding=cast_sharding),
+        out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
+    return update(state, grads, new_model_state)
 
 
 def _has_half_params(policy: Policy, params: Any) -> bool:

@@ -17,6 +17,9 @@ from jax.sharding import PartitionSpec
 import jaxamp
 from train.models.linen_encoder import variants
 
+# Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
+pytestmark = pytest.mark.xdist_group("encoder_reports")
+
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 N_DEVICES = 8
 

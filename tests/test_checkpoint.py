@@ -11,6 +11,9 @@ from helpers import assert_tree_bitwise_equal
 
 import jaxamp
 
+# Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 
 def _loss_fn(params, batch, model_state, rng):
     keep = jax.random.bernoulli(rng, 0.9, batch["x"].shape)

@@ -81,3 +81,14 @@ def test_the_fp32_matmul_warning_never_breaks_a_step():
 def test_the_public_jaxpr_types_exist(name):
     import jax.extend.core as core
     assert hasattr(core, name)
+
+
+@pytest.mark.parametrize("name", ["shard_map", "typeof", "lax.pcast", "lax.psum_scatter",
+                                  "lax.all_gather", "sharding.auto_axes", "sharding.reshard",
+                                  "sharding.get_abstract_mesh", "sharding.AxisType"])
+def test_the_public_apis_of_the_data_parallel_step_exist(name):
+    """The data-parallel step under jit (jaxamp/_data_parallel.py) uses only these."""
+    obj = jax
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    assert obj is not None

@@ -309,9 +309,12 @@ def test_an_inf_on_one_device_skips_the_step_everywhere_with_the_sharded_state_u
 # The three layouts agree: pmap, a data-parallel jit, and one device
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "plain optax"])
 def test_pmap_and_the_data_parallel_jit_are_bit_identical(policy):
-    state = make_state(policy)
+    if policy == "plain optax":   # no mixed_precision: the params are the master
+        state = jaxamp.TrainState.create(params=init_params(), tx=optax.adamw(1e-2))
+    else:
+        state = make_state(policy)
     batch = make_batch()
     pstep = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch"), axis_name="batch")
     pstate = jaxamp.replicate(state)
@@ -401,6 +404,39 @@ def test_a_two_axis_mesh_reduces_over_the_data_axis():
     # On Explicit axes the batch's type names the axis: no data_axis needed.
     found = collectives(jaxamp.make_train_step(loss_fn), two, jaxamp.put_sharded(batch, batch_sh))
     assert found and {d for name, d, _ in found if name != "all_gather"} == {jnp.dtype(F32)}
+
+
+def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
+    """Params split over 'model' (tensor parallelism, on Auto axes, where XLA partitions the
+    model): state_sharding keeps that and splits a free dimension over 'data'; the step
+    reduces over 'data' only, and trains as data parallelism over 4 devices does."""
+    state = make_state("mixed_bfloat16")
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tp = {"l1": {"kernel": P(None, "model"), "bias": P("model")},
+          "l2": {"kernel": P("model"), "bias": P()}, "out": {"kernel": P()}}
+
+    def on_model_axis(tree):
+        return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+                            tree, tp)
+    mp = jaxamp.find_state(state.opt_state)
+    state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
+        master_params=on_model_axis(mp.master_params)))
+    sh = jaxamp.state_sharding(state, mesh, axis="data", params="sharded")
+    assert sh.opt_state.master_params["l1"]["kernel"].spec == P("data", "model")
+    assert sh.params["l2"]["kernel"].spec == P("model", "data")
+    batch_sh = NamedSharding(mesh, P("data"))
+    step = jax.jit(jaxamp.make_train_step(loss_fn, data_axis="data"),
+                   in_shardings=(sh, batch_sh), out_shardings=(sh, NamedSharding(mesh, P())))
+    two = jax.device_put(state, sh)
+    one, step4, batch_sh4 = jit_step(make_state("mixed_bfloat16"), mesh_of(4), "zero3")
+    for i in range(3):
+        two, _ = step(two, jaxamp.put_sharded(make_batch(seed=i), batch_sh))
+        one, _ = step4(one, jaxamp.put_sharded(make_batch(seed=i), batch_sh4))
+    assert two.opt_state.master_params["l1"]["kernel"].sharding.spec == P("data", "model")
+    # The model's matmuls are split over 'model' too: bf16 partial sums, not bits.
+    for a, b in zip(jax.tree.leaves(master_of(two)), jax.tree.leaves(master_of(one)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_mesh_can_come_from_set_mesh_with_a_host_batch():

@@ -18,6 +18,9 @@ from benchmarks import gpu
 from benchmarks import harness
 from benchmarks.__main__ import main
 
+# Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
+pytestmark = pytest.mark.xdist_group("tiny_runs")
+
 OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_apply_if_finite",
                      "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4"]
 

@@ -7,6 +7,9 @@ from helpers import reference_sequence
 
 from benchmarks import long_fp16
 
+# Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
+pytestmark = pytest.mark.xdist_group("long_fp16")
+
 
 @pytest.fixture(scope="module")
 def figures():
