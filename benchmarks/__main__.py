@@ -15,14 +15,17 @@ from benchmarks import cpu_flags
 from benchmarks import gpu
 from benchmarks import layout
 from benchmarks import long_fp16
+from benchmarks import master_numerics
 from benchmarks import memory
 from benchmarks import overhead
+from benchmarks import step_memory
 from benchmarks import torch_amp
 from benchmarks import zero
 
 SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
           "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
-          "autocast": autocast, "autocast_step": autocast_step, "zero": zero}
+          "autocast": autocast, "autocast_step": autocast_step, "zero": zero,
+          "step_memory": step_memory, "master_numerics": master_numerics}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 
 

@@ -96,10 +96,11 @@ def peer_variant(task: EncoderTask, recipe, *, casts_params: bool) -> Variant:
 
 
 def jaxamp_variant(task: EncoderTask, policy: str, *, accum_steps: int = 1,
-                   pin_grad_layout: bool | None = None) -> Variant:
-    """``make_train_step`` on ``mixed_precision(adamw, policy)`` with a ``DynamicLossScale``."""
+                   pin_grad_layout: bool | None = None, **tx_options) -> Variant:
+    """``make_train_step`` on ``mixed_precision(adamw, policy)`` with a ``DynamicLossScale``
+    (and ``tx_options``: ``master=``, ``moments_dtype=``)."""
     amp_tx = jaxamp.mixed_precision(task.tx, policy, loss_scale=jaxamp.DynamicLossScale(),
-                                    pin_grad_layout=pin_grad_layout)
+                                    pin_grad_layout=pin_grad_layout, **tx_options)
     amp_step = jaxamp.make_train_step(task.loss, accum_steps=accum_steps)
 
     def step(state, batch):

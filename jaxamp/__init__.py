@@ -34,11 +34,13 @@ from jaxamp.loss_scale import LossScale
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.loss_scale import all_finite
+from jaxamp.master_weights import MASTERS
 from jaxamp.master_weights import MixedPrecisionState
 from jaxamp.master_weights import find_state
 from jaxamp.master_weights import get_loss_scale
 from jaxamp.master_weights import get_master_params
 from jaxamp.master_weights import mixed_precision
+from jaxamp.master_weights import next_working_params
 from jaxamp.master_weights import policy_of
 from jaxamp.master_weights import scale_loss
 from jaxamp.master_weights import working_params
@@ -56,12 +58,15 @@ from jaxamp.policy import PRESETS
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
 from jaxamp.policy import resolve_auto
+from jaxamp.rounding import kahan_split
+from jaxamp.rounding import stochastic_round
 from jaxamp.train_step import TrainState
 from jaxamp.train_step import make_train_step
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "MASTERS",
     "PRESETS",
     "AuditReport",
     "DynamicLossScale",
@@ -85,8 +90,10 @@ __all__ = (
     "get_master_params",
     "get_policy",
     "grad_stats",
+    "kahan_split",
     "make_train_step",
     "mixed_precision",
+    "next_working_params",
     "nonfinite_leaf_path",
     "ops",
     "per_device_bytes",
@@ -97,6 +104,7 @@ __all__ = (
     "scale_loss",
     "shard_batch",
     "state_sharding",
+    "stochastic_round",
     "tree_path_str",
     "unreplicate",
     "working_params",

@@ -7,17 +7,25 @@ state, counters and the policy itself (static data, so that any optax wrapper ke
 
 1. casts the grads to fp32 and unscales them with the scale used for this step;
 2. checks that they are all finite;
-3. runs ``inner`` on the fp32 master params, so clipping, weight decay and schedules see
+3. runs ``inner`` on the fp32 value of each param, so clipping, weight decay and schedules see
    true fp32 gradients;
 4. adjusts the loss scale;
-5. returns updates such that ``optax.apply_updates(params, updates)`` gives the new master
-   cast to each param's working dtype.
+5. returns updates such that ``optax.apply_updates(params, updates)`` gives each param's new
+   value in its working dtype.
+
+Where each param's fp32 value lives is ``master=``. ``"float32"`` (the default) keeps an fp32
+master copy of every half-precision param; ``"kahan"`` keeps only a 16-bit compensation
+(the value is ``param + compensation``, exact for bf16); ``"stochastic"`` and ``"none"`` keep
+nothing and round the new fp32 value to the param's dtype, stochastically or to the
+nearest. A param that works in ``param_dtype`` (every param under a ``float32`` policy) is its
+own master under every option. ``moments_dtype="bfloat16"`` stores the inner optimizer's
+moments in bf16, rounded stochastically, and computes with them in fp32.
 
 A non-finite step returns zero updates (``-0.0``, so that even signed zeros are kept) and leaves
-the master params and the inner state, including its step count, bit-identical. How the step is
-skipped is ``skip=``: ``"cond"`` branches with ``lax.cond`` (the optimizer does not run on a
-skipped step), ``"select"`` runs it on every step and keeps the old value of each leaf with
-``jnp.where``; both give the same bits.
+the master params, the compensation, the inner state (its step count included) and the rounding
+key bit-identical. How the step is skipped is ``skip=``: ``"cond"`` branches with ``lax.cond``
+(the optimizer does not run on a skipped step), ``"select"`` runs it on every step and keeps the
+old value of each leaf with ``jnp.where``; both give the same bits.
 
 A non-finite update is never applied, however many come in a row. When ``stall_after``
 consecutive steps are non-finite at the minimum loss scale (where backing off cannot help), the
@@ -30,6 +38,7 @@ refuses a state where another transform wraps it (``optax.chain`` with other mem
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 from typing import NamedTuple
@@ -40,6 +49,7 @@ import optax
 from jax import lax
 from jax.experimental.layout import Layout
 from jax.experimental.layout import with_layout_constraint
+from jax.typing import DTypeLike
 
 from jaxamp._loss import check_loss
 from jaxamp._tree import cast_like
@@ -56,8 +66,14 @@ from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
+from jaxamp.rounding import HALF_DTYPES
+from jaxamp.rounding import kahan_join
+from jaxamp.rounding import kahan_split
+from jaxamp.rounding import nudge_ties
+from jaxamp.rounding import stochastic_round
 
 __all__ = [
+    "MASTERS",
     "MixedPrecisionState",
     "find_state",
     "get_loss_scale",
@@ -82,8 +98,13 @@ class MixedPrecisionState(NamedTuple):
     'p=f32,c=bf16,o=f32'
 
     Attributes:
-      master_params: the params in ``policy.param_dtype`` (fp32 for the mixed presets).
-      inner_state: the wrapped optimizer's state, built on the master params.
+      master_params: a tree like the params: the fp32 master copy (in ``policy.param_dtype``)
+        of each param that works in another dtype under ``master="float32"``, and
+        ``optax.MaskedNode()`` for every other param (one that works in ``param_dtype`` is its
+        own master; the other ``master=`` options keep none). :func:`get_master_params` with
+        the params gives every param's fp32 value.
+      inner_state: the wrapped optimizer's state, built on the fp32 params; its moments in
+        ``moments_dtype`` when one is given.
       loss_scale: a :class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
         ``DynamicLossScale`` holding the scale for the next step.
       applied_steps: int32 count of applied updates (saturates at 2**31 - 1).
@@ -97,6 +118,12 @@ class MixedPrecisionState(NamedTuple):
         scale (see ``LossScale.at_min_scale``); 0 after a finite step (saturates).
       stalled: bool, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
         where the loss scale cannot back off any further, so loss scaling cannot fix them.
+      compensation: ``master="kahan"``: a tree like the params holding each half-precision
+        param's compensation (``uint16`` for bf16, float16 for fp16; ``MaskedNode`` elsewhere);
+        else ``None``.
+      rounding_key: the uint32 data of the PRNG key of stochastic rounding (``master=
+        "stochastic"`` or ``moments_dtype="bfloat16"``), else ``None``. It never changes:
+        each applied step folds in ``applied_steps``, then the leaf's index.
       policy: the :class:`~jaxamp.Policy` the transform was built with. Static: a pytree node
         without leaves, part of the treedef, so it survives jit, pmap and every optax wrapper.
     """
@@ -112,6 +139,8 @@ class MixedPrecisionState(NamedTuple):
     first_nonfinite_leaf: jax.Array
     skips_at_min_scale: jax.Array
     stalled: jax.Array
+    compensation: Any = None
+    rounding_key: Any = None
     policy: Policy = Policy()
 
 
@@ -152,6 +181,154 @@ def _row_major_grads(grads: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# Where each param's fp32 value lives: the storage plan
+# --------------------------------------------------------------------------------------------
+
+MASTERS = ("float32", "kahan", "stochastic", "none")
+_MOMENTS_DTYPES = ("float32", "bfloat16")
+_ABSENT = optax.MaskedNode()
+
+
+def _is_absent(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _slots(tree: Any, n: int) -> list:
+    """The leaves of a tree laid out like the params, where ``MaskedNode`` marks a param
+    without an entry; ``n`` absent slots for ``None`` (a field this option does not keep)."""
+    return [_ABSENT] * n if tree is None else jax.tree.leaves(tree, is_leaf=_is_absent)
+
+
+# Per param leaf, what the state keeps besides the working param itself:
+_MASTER = "master"          # a copy in param_dtype (master="float32")
+_SAME = "same"              # nothing: it works in param_dtype and is its own master
+_KAHAN = "kahan"            # a half-precision compensation buffer
+_STOCHASTIC = "stochastic"  # nothing: the new value is rounded stochastically
+_NEAREST = "none"           # nothing: the new value is rounded to the nearest
+_OTHER = "other"            # nothing: not floating (the optimizer sees it, never updates it)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How the fp32 value of each param leaf is stored, and how the moments are; static."""
+
+    kinds: tuple[str, ...]
+    work_dtypes: tuple[Any, ...]
+    treedef: Any
+    moments_dtype: Any  # None: the inner state's dtypes are left alone
+
+    @property
+    def needs_key(self) -> bool:
+        return _STOCHASTIC in self.kinds or self.moments_dtype == jnp.bfloat16
+
+    def view(self, params: Any, master: Any, comp: Any) -> Any:
+        """The tree the inner optimizer works on: each param's value in param_dtype."""
+        n = len(self.kinds)
+        out = []
+        for kind, p, m, c in zip(self.kinds, jax.tree.leaves(params), _slots(master, n),
+                                 _slots(comp, n), strict=True):
+            if kind == _MASTER:
+                out.append(m)
+            elif kind == _KAHAN:
+                out.append(kahan_join(p, c))
+            elif kind in (_STOCHASTIC, _NEAREST):
+                out.append(p.astype(jnp.float32))
+            else:
+                out.append(p)
+        return jax.tree.unflatten(self.treedef, out)
+
+    def split(self, new_view: Any, params: Any, comp: Any, key: Any):
+        """``(master, compensation, direct updates)`` of the new values: the master leaves
+        (``master="float32"``), the new compensation (``"kahan"``), and for every other
+        floating leaf the fp32 update that lands its working param on its new value."""
+        masters, comps, direct = [], [], []
+        for i, (kind, n, p) in enumerate(zip(self.kinds, jax.tree.leaves(new_view),
+                                             jax.tree.leaves(params), strict=True)):
+            masters.append(n if kind == _MASTER else _ABSENT)
+            if kind == _KAHAN:
+                high, low = kahan_split(n, p.dtype)
+                comps.append(low)
+                direct.append(_working_update(high, p))
+                continue
+            comps.append(_ABSENT)
+            if kind == _SAME:
+                direct.append(_working_update(n, p))
+            elif kind == _STOCHASTIC:
+                direct.append(_working_update(
+                    stochastic_round(n, p.dtype, jax.random.fold_in(key, i)), p))
+            elif kind == _NEAREST:
+                direct.append(_working_update(n.astype(p.dtype), p))
+        master = jax.tree.unflatten(self.treedef, masters)
+        comp = None if comp is None else jax.tree.unflatten(self.treedef, comps)
+        return master, comp, direct
+
+    def unchanged(self, params: Any) -> list:
+        """The direct updates of a skipped step: ``-0.0``, the additive identity that keeps
+        every bit (signed zeros too)."""
+        return [jnp.full_like(p, -0.0, dtype=jnp.float32)
+                for kind, p in zip(self.kinds, jax.tree.leaves(params), strict=True)
+                if kind not in (_MASTER, _OTHER)]
+
+    def moments_up(self, inner_state: Any) -> Any:
+        """The inner state as the inner optimizer computes with it: fp32 moments."""
+        if self.moments_dtype is None:
+            return inner_state
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if _is_moment(x) else x,
+                            inner_state)
+
+    def moments_down(self, new: Any, old: Any, key: Any) -> Any:
+        """The new inner state in the stored dtypes; bf16 moments rounded stochastically."""
+        if self.moments_dtype != jnp.bfloat16:
+            return cast_like(new, old)
+        new_leaves, treedef = jax.tree.flatten(new)
+        out = []
+        for j, (n, o) in enumerate(zip(new_leaves, jax.tree.leaves(old), strict=True)):
+            if _is_moment(o) and o.dtype == jnp.bfloat16:
+                out.append(stochastic_round(n, jnp.bfloat16, jax.random.fold_in(key, j)))
+            else:
+                out.append(n.astype(o.dtype) if hasattr(o, "dtype") else n)
+        return jax.tree.unflatten(treedef, out)
+
+    def store_moments(self, inner_state: Any) -> Any:
+        """The freshly built inner state in the stored dtypes (rounded to the nearest)."""
+        if self.moments_dtype is None:
+            return inner_state
+        return jax.tree.map(lambda x: x.astype(self.moments_dtype) if _is_moment(x) else x,
+                            inner_state)
+
+
+def _is_moment(x: Any) -> bool:
+    """A per-parameter buffer of the inner state (a moment): a floating array of rank >= 1.
+    Scalars (an injected learning rate, a schedule's value) keep their dtype."""
+    return is_floating_array(x) and getattr(x, "ndim", 0) >= 1
+
+
+def _plan(policy: Policy, params: Any, master: str, moments_dtype: Any) -> _Plan:
+    work_dtypes = policy.working_dtypes(params)
+    param_dtype = jnp.dtype(policy.param_dtype)
+    kinds = []
+    for d in work_dtypes:
+        if d is None:
+            kinds.append(_OTHER)
+        elif jnp.dtype(d) == param_dtype:
+            kinds.append(_SAME)
+        elif master == "float32" or jnp.dtype(d) not in HALF_DTYPES:
+            kinds.append(_MASTER)
+        else:
+            kinds.append({"kahan": _KAHAN, "stochastic": _STOCHASTIC, "none": _NEAREST}[master])
+    return _Plan(tuple(kinds), tuple(work_dtypes), jax.tree.structure(params), moments_dtype)
+
+
+def _step_key(state: MixedPrecisionState) -> Any:
+    """This step's rounding key: the state's key folded with the count of applied steps (so a
+    skipped step leaves the key, and the next applied step draws what it would have)."""
+    if state.rounding_key is None:
+        return None
+    key = jax.random.wrap_key_data(state.rounding_key)
+    return jax.random.fold_in(key, state.applied_steps)
+
+
+# --------------------------------------------------------------------------------------------
 # The update, in pieces
 # --------------------------------------------------------------------------------------------
 
@@ -167,14 +344,6 @@ def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
     plus_zero = jnp.signbit(p32) & ~jnp.signbit(t32)  # -0 -> +0 needs +0.
     zero = jnp.where(plus_zero, jnp.float32(0.0), jnp.float32(-0.0))
     return jnp.where(diff == 0, zero, diff)
-
-
-def _same_dtype(params: list, masters: list, work_dtypes: list) -> list[bool]:
-    """Per leaf: does it work in its master dtype? Such leaves get their update from the branch
-    (and the master is stored as ``m + update``); the others get the difference to the cast
-    master. Known at trace time, so the branches return only the updates they must."""
-    return [d is not None and p.dtype == d == m.dtype
-            for p, m, d in zip(params, masters, work_dtypes, strict=True)]
 
 
 def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: Policy) -> None:
@@ -193,31 +362,29 @@ def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: 
                 "nnx.state(model, nnx.Param))))")
 
 
-def _apply(inner, extra_args, same, scale, master, inner_state, grads):
-    """The finite branch: unscale, run ``inner`` on the master, keep dtypes."""
+def _apply(inner, extra_args, plan: _Plan, scale, master, comp, inner_state, params, grads,
+           key):
+    """The finite branch: unscale, run ``inner`` on each param's fp32 value, store the new
+    values (master, compensation or rounded param) and the new moments in their dtypes."""
     grads = scale.unscale(grads)  # fp32, with the scale used for this step (pre-adjust)
-    inner_updates, new_inner = inner.update(grads, inner_state, master, **extra_args)
-    new_master = optax.apply_updates(master, inner_updates)
-    # Same-dtype leaves: return the exact difference d and store m + d, the very add the
-    # caller's apply_updates runs. (Returning the inner update itself is not enough: XLA may
-    # fuse the optimizer's last multiply into m + u as an FMA.)
-    new_leaves, treedef = jax.tree.flatten(new_master)
-    old_leaves = jax.tree.leaves(master)
-    kept = [_working_update(n, m) for n, m, k in zip(new_leaves, old_leaves, same, strict=True)
-            if k]
-    kept_iter = iter(kept)
-    new_leaves = [m + next(kept_iter) if k else n for n, m, k in
-                  zip(new_leaves, old_leaves, same, strict=True)]
-    return jax.tree.unflatten(treedef, new_leaves), cast_like(new_inner, inner_state), kept
+    view = plan.view(params, master, comp)
+    inner_updates, new_inner = inner.update(grads, plan.moments_up(inner_state), view,
+                                            **extra_args)
+    new_view = optax.apply_updates(view, inner_updates)
+    param_key = moment_key = None
+    if key is not None:
+        param_key, moment_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    # The direct updates of the leaves without a master are exact differences: returning the
+    # inner update itself is not enough, XLA may fuse the optimizer's last multiply into
+    # p + u as an FMA.
+    master, comp, direct = plan.split(new_view, params, comp, param_key)
+    return master, comp, plan.moments_down(new_inner, inner_state, moment_key), direct
 
 
-def _skip(same, master, inner_state, grads):
-    """The non-finite branch: everything stays; -0.0 is the additive identity, so
-    ``p + (-0.0) == p`` bit for bit, signed zeros too."""
-    del grads
-    kept = [jnp.full_like(m, -0.0) for m, k in zip(jax.tree.leaves(master), same, strict=True)
-            if k]
-    return master, inner_state, kept
+def _skip(plan: _Plan, master, comp, inner_state, params, grads, key):
+    """The non-finite branch: everything stays."""
+    del grads, key
+    return master, comp, inner_state, plan.unchanged(params)
 
 
 _SKIPS = ("auto", "cond", "select")
@@ -230,11 +397,12 @@ def _resolve_skip(skip: str) -> str:
     return "cond" if skip == "auto" else skip
 
 
-def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, master, inner_state, grads):
-    """``(master, inner_state, kept)`` of the applied step if ``finite``, else of the skip."""
+def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, *operands):
+    """``(master, compensation, inner_state, direct)`` of the applied step if ``finite``, else
+    of the skip."""
     if skip == "cond":
-        return lax.cond(finite, apply, skip_fn, master, inner_state, grads)
-    return select(finite, apply(master, inner_state, grads), skip_fn(master, inner_state, grads))
+        return lax.cond(finite, apply, skip_fn, *operands)
+    return select(finite, apply(*operands), skip_fn(*operands))
 
 
 def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int | None):
@@ -247,31 +415,31 @@ def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int
     return skips, stalled
 
 
-def _working_updates(policy: Policy, master: Any, params: Any, same: list[bool],
-                     kept: list) -> Any:
-    """Updates that land the working params on ``cast(master)``: the exact difference for
-    leaves that work in another dtype, the branch's update for the others."""
-    param_leaves, treedef = jax.tree.flatten(params)
-    targets = jax.tree.leaves(policy.cast_params_to_compute(master))
-    kept_iter = iter(kept)
+def _working_updates(plan: _Plan, master: Any, params: Any, direct: list) -> Any:
+    """Updates that land each working param on its new value: the exact difference to the
+    cast master where there is one, the branch's update for the other floating leaves."""
+    param_leaves = jax.tree.leaves(params)
+    masters = _slots(master, len(param_leaves))
+    direct_iter = iter(direct)
     updates = []
-    for t, p, k in zip(targets, param_leaves, same, strict=True):
-        if k:
-            updates.append(next(kept_iter))
-        elif is_floating_array(p):
-            updates.append(_working_update(t, p))
-        else:
+    for kind, p, m, d in zip(plan.kinds, param_leaves, masters, plan.work_dtypes, strict=True):
+        if kind == _MASTER:
+            updates.append(_working_update(m.astype(d), p))
+        elif kind == _OTHER:
             updates.append(jnp.zeros_like(p))
-    return jax.tree.unflatten(treedef, updates)
+        else:
+            updates.append(next(direct_iter))
+    return jax.tree.unflatten(plan.treedef, updates)
 
 
-def _new_state(state: MixedPrecisionState, master, inner_state, stats: GradStats,
+def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: GradStats,
                stall_after: int | None) -> MixedPrecisionState:
     finite = stats.finite
     skips_at_min, stalled = _stall_state(state, finite, stall_after)
     return state._replace(
         master_params=master,
         inner_state=inner_state,
+        compensation=comp,
         loss_scale=state.loss_scale.adjust(finite),
         applied_steps=_saturating_increment(state.applied_steps, finite),
         skipped_steps=_saturating_increment(state.skipped_steps, ~finite),
@@ -284,43 +452,92 @@ def _new_state(state: MixedPrecisionState, master, inner_state, stats: GradStats
     )
 
 
+def _check_state_matches(plan: _Plan, state: MixedPrecisionState, params: Any,
+                         master: str) -> None:
+    """The state must hold what this transform's plan reads: the state of another ``master=``
+    option (or of other params) would be read wrongly."""
+    paths = [tree_path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    n = len(plan.kinds)
+    for kind, path, m, c in zip(plan.kinds, paths, _slots(state.master_params, n),
+                                _slots(state.compensation, n), strict=True):
+        has_m, has_c = not _is_absent(m), not _is_absent(c)
+        if has_m != (kind == _MASTER) or has_c != (kind == _KAHAN):
+            held = ("an fp32 master" if has_m else "a compensation buffer" if has_c
+                    else "neither master nor compensation")
+            raise ValueError(
+                f"the optimizer state holds {held} for param {path!r}, which "
+                f"mixed_precision(..., master={master!r}) under policy "
+                f"{state.policy} does not expect: the state was built by "
+                "another master= option or for other params. Build the state with the "
+                "same transform that updates it (tx.init).")
+    if plan.needs_key and state.rounding_key is None:
+        raise ValueError(
+            f"mixed_precision(..., master={master!r}, moments_dtype="
+            f"{None if plan.moments_dtype is None else jnp.dtype(plan.moments_dtype).name!r})"
+            " rounds stochastically but the optimizer state holds no rounding key: it was "
+            "built by another transform. Build the state with the same transform (tx.init).")
+
+
 def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
-            skip: str, updates, state: MixedPrecisionState, params=None, **extra_args):
+            skip: str, master_option: str, moments_dtype: Any, updates,
+            state: MixedPrecisionState, params=None, **extra_args):
     if params is None:
         raise ValueError("mixed_precision.update needs params (the working params) to "
                          "compute updates; call tx.update(grads, state, params)")
-    _check_same_structure(updates, state.master_params)
+    _check_same_structure(updates, params, what="gradient tree",
+                          against="params tree passed to update")
     _check_same_structure(params, state.master_params, what="params passed to update")
     paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
     param_leaves = [p for _, p in paths_and_params]
-    work_dtypes = policy.working_dtypes(params)
-    _check_working_dtypes(param_leaves, [k for k, _ in paths_and_params], work_dtypes, policy)
+    plan = _plan(policy, params, master_option, moments_dtype)
+    _check_working_dtypes(param_leaves, [k for k, _ in paths_and_params],
+                          list(plan.work_dtypes), policy)
+    _check_state_matches(plan, state, params, master_option)
     if _pins_layout(pin_grad_layout):
         updates = _row_major_grads(updates)
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
     # of non-finite leaves. It reads each gradient once, in its own dtype.
     stats = grad_stats(updates, state.loss_scale.loss_scale)
-    same = _same_dtype(param_leaves, jax.tree.leaves(state.master_params), work_dtypes)
-    # A skip leaves master and inner state untouched. lax.cond (skip="cond") lets XLA update
-    # donated buffers in place and never runs the optimizer on a skipped step; a select per leaf
-    # (skip="select") runs it always and keeps the old bits where the grads are not finite.
-    master, inner_state, kept = _skip_or_apply(
+    # A skip leaves master, compensation and inner state untouched. lax.cond (skip="cond")
+    # lets XLA update donated buffers in place and never runs the optimizer on a skipped step;
+    # a select per leaf (skip="select") runs it always and keeps the old bits where the grads
+    # are not finite.
+    master, comp, inner_state, direct = _skip_or_apply(
         _resolve_skip(skip), stats.finite,
-        functools.partial(_apply, inner, extra_args, same, state.loss_scale),
-        functools.partial(_skip, same),
-        state.master_params, state.inner_state, updates)
-    new_updates = _working_updates(policy, master, params, same, kept)
-    return new_updates, _new_state(state, master, inner_state, stats, stall_after)
+        functools.partial(_apply, inner, extra_args, plan, state.loss_scale),
+        functools.partial(_skip, plan),
+        state.master_params, state.compensation, state.inner_state, params, updates,
+        _step_key(state))
+    new_updates = _working_updates(plan, master, params, direct)
+    return new_updates, _new_state(state, master, comp, inner_state, stats, stall_after)
 
 
-def _init(inner, policy: Policy, loss_scale: LossScale, params) -> MixedPrecisionState:
-    # A copy even where the dtype already matches: the master must never share a buffer with
-    # the working params, or donating the train state would donate it twice.
-    master = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
+def _rounding_key(seed: Any) -> jax.Array:
+    """The raw uint32 data of the rounding key (raw, so that any checkpointer stores it)."""
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return jnp.array(jax.random.key_data(key), copy=True)
+
+
+def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, moments_dtype: Any,
+          seed: Any, params) -> MixedPrecisionState:
+    plan = _plan(policy, params, master_option, moments_dtype)
+    # Fresh buffers: the state must never share one with the working params, or donating the
+    # train state would donate it twice (an inner state may keep the params it was built on).
+    values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
                           policy.cast_to_param(params))
+    leaves = jax.tree.leaves(values)
+    master = jax.tree.unflatten(plan.treedef, [
+        v if kind == _MASTER else _ABSENT for kind, v in zip(plan.kinds, leaves, strict=True)])
+    comp = None
+    if master_option == "kahan":
+        comp = jax.tree.unflatten(plan.treedef, [
+            kahan_split(nudge_ties(v, d), d)[1] if kind == _KAHAN else _ABSENT
+            for kind, v, d in zip(plan.kinds, leaves, plan.work_dtypes, strict=True)])
     return MixedPrecisionState(
         master_params=master,
-        inner_state=inner.init(master),
+        inner_state=plan.store_moments(inner.init(values)),
         # Fresh buffers too: every init must survive another state's donation.
         loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
         applied_steps=jnp.zeros((), jnp.int32),
@@ -331,6 +548,8 @@ def _init(inner, policy: Policy, loss_scale: LossScale, params) -> MixedPrecisio
         first_nonfinite_leaf=jnp.full((), -1, jnp.int32),
         skips_at_min_scale=jnp.zeros((), jnp.int32),
         stalled=jnp.array(False),
+        compensation=comp,
+        rounding_key=_rounding_key(seed) if plan.needs_key else None,
         policy=policy,
     )
 
@@ -363,6 +582,34 @@ def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any, skip: Any) -
                          "default) is 'cond' for now")
 
 
+def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Any:
+    """Checks ``master``, ``moments_dtype`` and ``seed``; returns the moments dtype (or None)."""
+    if not isinstance(master, str) or master not in MASTERS:
+        raise ValueError(
+            f"master must be one of {', '.join(map(repr, MASTERS))}, got {master!r}: "
+            "'float32' keeps an fp32 master copy (default), 'kahan' a half-precision "
+            "compensation buffer, 'stochastic' rounds the params stochastically, 'none' rounds "
+            "them to the nearest (a baseline that loses small updates)")
+    if moments_dtype is not None:
+        try:
+            dtype = jnp.dtype(moments_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.name not in _MOMENTS_DTYPES:
+            raise ValueError(
+                f"moments_dtype must be None, {' or '.join(map(repr, _MOMENTS_DTYPES))}, got "
+                f"{moments_dtype!r}: None leaves the inner optimizer's state as it builds it, "
+                "'bfloat16' stores its moments in bf16 (rounded stochastically) and computes "
+                "in fp32; float16 moments would overflow with the squared gradients")
+        moments_dtype = dtype
+    if not (isinstance(seed, int) and not isinstance(seed, bool)) and not (
+            hasattr(seed, "dtype") and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
+                                        or seed.dtype == jnp.uint32)):
+        raise TypeError(f"seed must be an int or a PRNG key, got {type(seed).__name__} "
+                        f"{seed!r}; e.g. seed=0 or seed=jax.random.key(0)")
+    return moments_dtype
+
+
 def mixed_precision(
     inner: optax.GradientTransformation,
     policy: Any = "mixed_bfloat16",
@@ -371,6 +618,9 @@ def mixed_precision(
     stall_after: int | None = 10,
     pin_grad_layout: bool | None = None,
     skip: str = "auto",
+    master: str = "float32",
+    moments_dtype: DTypeLike | None = None,
+    seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
 
@@ -401,15 +651,47 @@ def mixed_precision(
         leave the master, the inner state and the working params bit-identical on a skip.
         ``"auto"`` (default) is ``"cond"`` on every backend for now; the GPU suite of
         ``python -m benchmarks gpu`` times both on a GPU, which will decide.
+      master: where the fp32 value of each half-precision param lives between steps.
+
+        - ``"float32"`` (default): an fp32 master copy in the state (4 bytes per param on top
+          of the 2 of the bf16 working param).
+        - ``"kahan"``: no master. The state holds a 2-byte compensation per param; the
+          optimizer works on ``param + compensation`` in fp32, and the new value is split
+          back into the param, rounded to the nearest, and what the rounding dropped
+          (:func:`jaxamp.kahan_split`). For bf16 params that is exactly the fp32 word's lower
+          16 bits (``uint16``), so the fp32 value is kept bit for bit and training follows
+          ``"float32"``'s (rounding ties away from zero, not to even, is the only
+          difference); for fp16 params, the fp16-rounded remainder (about 22 bits).
+        - ``"stochastic"``: no master and no buffer. The new fp32 value is rounded to the
+          param's dtype stochastically (:func:`jaxamp.stochastic_round`), exact in
+          expectation, with the state's ``rounding_key`` folded with the step and the leaf
+          (the same bits on every device, reproducible on resume).
+        - ``"none"``: no master; the new value is rounded to the nearest. An update below half
+          an ulp of the param (``2**-9`` of it in bf16) is lost: a baseline, not a choice.
+
+        A param that works in ``param_dtype`` (all of them under a ``float32`` policy) is its
+        own master under every option: no copy is kept.
+      moments_dtype: the dtype the inner state's floating arrays of rank >= 1 (Adam's moments,
+        any per-parameter buffer) are stored in between steps. ``None`` (default) keeps the
+        dtypes ``inner`` builds; ``"bfloat16"`` stores them in bf16, rounded
+        stochastically, and hands ``inner`` fp32 copies, so every optimizer computation
+        (``beta2 = 0.999``, ``1 - beta2``, the bias corrections) runs in fp32. Rounding the
+        second moment to the nearest would freeze it: its per-step change ``(1 - beta2) *
+        (g**2 - nu)`` is below half a bf16 ulp of ``nu`` once ``g**2`` is within a factor
+        ~2 of ``nu``. ``"float32"`` stores them in fp32 (an ``mu_dtype`` of bf16 is undone).
+        Scalars (an injected learning rate) keep their dtype.
+      seed: the seed (an int) or PRNG key of stochastic rounding; used by
+        ``master="stochastic"`` and ``moments_dtype="bfloat16"``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
-      master (in ``param_dtype``). ``update(scaled_grads, state, params, **extra)`` expects the
-      gradient of ``scale_loss(loss, state)`` with respect to the working params (each in its
-      working dtype: a ``ValueError`` otherwise), and forwards ``extra`` to ``inner``. The
-      updates of half-precision params are fp32 (the exact difference to the cast master), so
-      ``optax.apply_updates`` promotes bf16 + fp32; under
-      ``jax.numpy_dtype_promotion("strict")`` take :func:`working_params` instead, as
+      master (in ``param_dtype``), or into the compensation (``"kahan"``: the fp32 params'
+      remainder after rounding to the working dtype). ``update(scaled_grads, state, params,
+      **extra)`` expects the gradient of ``scale_loss(loss, state)`` with respect to the
+      working params (each in its working dtype: a ``ValueError`` otherwise), and forwards
+      ``extra`` to ``inner``. The updates of half-precision params are fp32 (the exact
+      difference to the new value), so ``optax.apply_updates`` promotes bf16 + fp32; under
+      ``jax.numpy_dtype_promotion("strict")`` take :func:`next_working_params` instead, as
       :func:`jaxamp.make_train_step` does.
 
     >>> import jax, jax.numpy as jnp, optax
@@ -428,21 +710,27 @@ def mixed_precision(
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)
     _check_arguments(inner, loss_scale, stall_after, skip)
+    moments_dtype = _check_storage(master, moments_dtype, seed)
     inner = optax.with_extra_args_support(inner)
     return optax.GradientTransformationExtraArgs(
-        functools.partial(_init, inner, policy, loss_scale),
-        functools.partial(_update, inner, policy, stall_after, pin_grad_layout, skip))
+        functools.partial(_init, inner, policy, loss_scale, master, moments_dtype, seed),
+        functools.partial(_update, inner, policy, stall_after, pin_grad_layout, skip, master,
+                          moments_dtype))
 
 
-def _check_same_structure(tree: Any, master: Any, what: str = "gradient tree") -> None:
-    g, m = jax.tree.structure(tree), jax.tree.structure(master)
+def _check_same_structure(tree: Any, reference: Any, what: str = "gradient tree",
+                          against: str = "params tree given to init") -> None:
+    """``tree`` must be laid out like ``reference`` (a ``MaskedNode`` there stands for any
+    leaf), with the same shapes where ``reference`` holds an array."""
+    g = jax.tree.structure(tree)
+    m = jax.tree.structure(reference, is_leaf=_is_absent)
     if g != m:  # type: ignore[operator]
         raise ValueError(
-            f"the {what} does not match the params tree given to init: it has structure "
-            f"{g}, the params have {m}. Differentiate the loss with respect to the same "
-            "params the optimizer was initialised with.")
+            f"the {what} does not match the {against}: it has structure {g}, the params have "
+            f"{m}. Differentiate the loss with respect to the same params the optimizer was "
+            "initialised with.")
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                            jax.tree.leaves(master), strict=True):
+                            jax.tree.leaves(reference, is_leaf=_is_absent), strict=True):
         if hasattr(x, "shape") and hasattr(y, "shape") and tuple(x.shape) != tuple(y.shape):
             noun = "gradient" if what == "gradient tree" else "value"
             raise ValueError(
@@ -574,21 +862,87 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     return find_state(opt_state).loss_scale
 
 
-def get_master_params(opt_state: Any) -> Any:
-    """The fp32 master params held in ``opt_state``.
+def get_master_params(opt_state: Any, params: Any = None) -> Any:
+    """The fp32 value of every param: the master params held in ``opt_state``.
+
+    Without ``params``, the master copies in the state (``master="float32"``, where every
+    param works in another dtype than ``param_dtype``). With the working ``params``, every
+    param's value in ``param_dtype`` under any ``master=`` option: the master copy, ``param +
+    compensation`` (``"kahan"``), or the param itself (a param that is its own master, and
+    ``"stochastic"``/``"none"``). :attr:`jaxamp.TrainState.master_params` passes them.
 
     >>> import jax.numpy as jnp, optax
     >>> tx = mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
     >>> get_master_params(tx.init({"w": jnp.ones(2, jnp.bfloat16)}))["w"].dtype
     dtype('float32')
+    >>> tx = mixed_precision(optax.sgd(0.1), "mixed_bfloat16", master="kahan")
+    >>> w = jnp.float32(1.0 + 2.0**-10)  # between two bf16 values
+    >>> state = tx.init({"w": w})
+    >>> float(get_master_params(state, {"w": w.astype(jnp.bfloat16)})["w"])
+    1.0009765625
     """
-    return find_state(opt_state).master_params
+    state = find_state(opt_state)
+    if params is None:
+        masters = jax.tree.leaves(state.master_params, is_leaf=_is_absent)
+        if any(_is_absent(m) for m in masters):
+            raise ValueError(
+                "this optimizer state keeps no separate master copy of some params (a param "
+                "that works in param_dtype is its own master; master='kahan', 'stochastic' and "
+                "'none' keep none): pass the working params, get_master_params(opt_state, "
+                "params), or read jaxamp.TrainState.master_params")
+        return state.master_params
+    _check_same_structure(params, state.master_params, what="params")
+    plan = _plan(state.policy, params, _master_option_of(state), None)
+    return plan.view(params, state.master_params, state.compensation)
+
+
+def _master_option_of(state: MixedPrecisionState) -> str:
+    """The ``master=`` option a state was built with, as far as :meth:`_Plan.view` needs it."""
+    if state.compensation is not None:
+        return "kahan"
+    if any(not _is_absent(m) for m in jax.tree.leaves(state.master_params, is_leaf=_is_absent)):
+        return "float32"
+    return "none"
+
+
+def next_working_params(opt_state: Any, params: Any, updates: Any) -> Any:
+    """The working params after ``updates`` (from this transform's ``update``): what
+    ``optax.apply_updates(params, updates)`` gives, without its promotion of bf16 + fp32 (so
+    it runs under ``jax.numpy_dtype_promotion("strict")``), and read at the source where
+    there is a master: its cast."""
+    state = find_state(opt_state)
+    masters = jax.tree.leaves(state.master_params, is_leaf=_is_absent)
+    leaves, treedef = jax.tree.flatten(params)
+    dtypes = state.policy.working_dtypes(params)
+    new = []
+    for p, u, m, d in zip(leaves, jax.tree.leaves(updates), masters, dtypes, strict=True):
+        if not _is_absent(m):
+            new.append(m.astype(d))
+        elif is_floating_array(p):
+            new.append((p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype))
+        else:
+            new.append(p)
+    return jax.tree.unflatten(treedef, new)
+
+
+def storage_of(state: MixedPrecisionState, params: Any) -> Any:
+    """A tree like the params holding, per param, the array its fp32 value is updated on: the
+    master copy, else the compensation, else the param itself. Its shardings are where the
+    data-parallel step reduces the gradients to and where it computes the new params."""
+    n = len(jax.tree.leaves(params))
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [
+        p if _is_absent(m) and _is_absent(c) else c if _is_absent(m) else m
+        for p, m, c in zip(leaves, _slots(state.master_params, n),
+                           _slots(state.compensation, n), strict=True)])
 
 
 def working_params(opt_state: Any, policy: Any = None) -> Any:
     """The working params implied by ``opt_state``: the master cast to each working dtype.
 
-    ``policy`` defaults to the one the state carries.
+    ``policy`` defaults to the one the state carries. Needs a master copy of every param
+    (``master="float32"`` under a mixed policy); the other states hold the working params
+    nowhere but in the params themselves.
 
     >>> import jax.numpy as jnp, optax
     >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
@@ -597,7 +951,7 @@ def working_params(opt_state: Any, policy: Any = None) -> Any:
     """
     state = find_state(opt_state)
     policy = state.policy if policy is None else get_policy(policy)
-    return policy.cast_params_to_compute(state.master_params)
+    return policy.cast_params_to_compute(get_master_params(state))
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:

@@ -14,8 +14,9 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
    (sharded optimizer state, :func:`jaxamp.state_sharding`), never by XLA in bf16;
 5. let :func:`jaxamp.mixed_precision` unscale, check finiteness (after the reduction, so every
    device decides the same), update the master and adjust the scale;
-6. set the working params to the cast of the new master; on a skipped step, keep the old
-   mutable model state (BatchNorm statistics) too;
+6. set the working params to their new values (the cast of the new master, or the rounded
+   new value without one); on a skipped step, keep the old mutable model state (BatchNorm
+   statistics) too;
 7. return metrics computed in-graph.
 
 The policy comes from the optimizer state (the :class:`~jaxamp.MixedPrecisionState` carries
@@ -51,7 +52,10 @@ from jaxamp.autocasting import autocast as _autocast
 from jaxamp.gradients import grad_stats
 from jaxamp.master_weights import MixedPrecisionState
 from jaxamp.master_weights import find_state
+from jaxamp.master_weights import get_master_params
 from jaxamp.master_weights import maybe_find_state
+from jaxamp.master_weights import next_working_params
+from jaxamp.master_weights import storage_of
 from jaxamp.parallel import check_mesh_axis
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
@@ -133,9 +137,11 @@ class TrainState:
 
     @property
     def master_params(self) -> Any:
-        """The fp32 master params (the params themselves for a plain optax transform)."""
+        """Every param's value in ``param_dtype`` (fp32): the master copy, or ``param +
+        compensation`` (``master="kahan"``), or the param itself (a param that is its own
+        master, ``"stochastic"``, ``"none"``, a plain optax transform)."""
         mp = maybe_find_state(self.opt_state)
-        return self.params if mp is None else mp.master_params
+        return self.params if mp is None else get_master_params(mp, self.params)
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -336,7 +342,7 @@ def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParalle
     shards and then gathered in their (compute) dtype."""
     mp = maybe_find_state(state.opt_state)
     cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
-                                 state.params if mp is None else mp.master_params)
+                                 state.params if mp is None else storage_of(mp, state.params))
     replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
     update = jax.sharding.auto_axes(
         functools.partial(_update, config, cast_sharding=cast_sharding),
@@ -363,9 +369,9 @@ def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
     compute dtype, and never differentiated through the gather (whose transpose would
     reduce-scatter in bf16)."""
     mp = maybe_find_state(state.opt_state)
-    master = state.params if mp is None else mp.master_params
+    storage = state.params if mp is None else storage_of(mp, state.params)
     param_specs = jax.tree.map(dp.spec_of, state.params)
-    grad_specs = jax.tree.map(dp.spec_of, master)
+    grad_specs = jax.tree.map(dp.spec_of, storage)
 
     def local(params, model_state, batch, scale, rng):
         params = _data_parallel.to_varying(_data_parallel.gather(dp, params, param_specs),
@@ -489,9 +495,9 @@ def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any
     skipped here on non-finite gradients, with the same metrics. ``cast_sharding``: where the
     cast of the master to the working params runs (the master's shards)."""
     if mixed:
-        _, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         mp = find_state(opt_state)
-        params = state.policy.cast_params_to_compute(mp.master_params)
+        params = next_working_params(mp, state.params, updates)
         if cast_sharding is not None:
             params = lax.with_sharding_constraint(params, cast_sharding)
         metrics = {"grads_finite": mp.grads_finite, "skipped_steps": mp.skipped_steps,

@@ -55,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
                     help="with --parallel jit: 1 shards the fp32 master and the optimizer state "
                          "over the devices (ZeRO-1/2), 3 the working params too (ZeRO-3); "
                          "default 0, replicated")
+    ap.add_argument("--master", choices=("float32", "kahan", "stochastic", "none"),
+                    help="where each half-precision param's fp32 value lives: an fp32 master "
+                         "copy (default), a 16-bit compensation (kahan), nowhere with "
+                         "stochastic rounding, or nowhere (none: loses small updates)")
+    ap.add_argument("--moments-dtype", choices=("float32", "bfloat16"),
+                    help="the dtype adamw's moments are stored in (bfloat16: rounded "
+                         "stochastically, computed in fp32)")
     ap.add_argument("--loss-scale", choices=("auto", "dynamic", "static", "none"))
     ap.add_argument("--init-scale", type=float)
     ap.add_argument("--growth-interval", type=int)

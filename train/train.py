@@ -97,7 +97,8 @@ def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
                                                   max(config.steps, config.warmup_steps + 1))
     tx = jaxamp.mixed_precision(optax.adamw(schedule, weight_decay=config.weight_decay),
                                 policy, loss_scale=_loss_scale(config, policy),
-                                stall_after=config.stall_after or None)
+                                stall_after=config.stall_after or None, master=config.master,
+                                moments_dtype=config.moments_dtype, seed=config.seed)
     return jaxamp.TrainState.create(params=params, tx=tx, policy=policy, model_state=model_state,
                                     rng=jax.random.PRNGKey(config.seed))
 

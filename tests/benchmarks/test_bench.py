@@ -146,6 +146,11 @@ def test_gpu_suite_at_a_tiny_size(tiny_runs):
     # that split the tiny batch, so in fp32 rather than bf16 partial sums: close, not equal).
     zero3 = by[("bert_large", "mixed_bfloat16_zero3")]
     assert zero3["loss"] == pytest.approx(by[("bert_large", "mixed_bfloat16")]["loss"], rel=1e-2)
+    # master="kahan" keeps every param's fp32 value (its moments are bf16: close, not equal).
+    for model in ("resnet50", "bert_large"):
+        kahan = by[(model, "mixed_bfloat16_kahan")]
+        assert kahan["loss"] == pytest.approx(by[(model, "mixed_bfloat16")]["loss"], rel=1e-2)
+    assert np.isfinite(by[("bert_large", "mixed_bfloat16_stochastic")]["loss"])
     assert by[("nnx_gpt", "autocast_bf16")]["vs_fp32_default"] > 0
     runs = read_jsonl(out / "gpu_runs.jsonl")
     assert len(runs) == 1 and runs[0]["jax"] == jax.__version__ and runs[0]["tiny"]
@@ -444,3 +449,32 @@ def test_zero_suite_shards_the_state_and_reduces_in_fp32(tiny_runs):
     assert steps["zero3"]["state_mb_per_device"] < steps["zero1"]["state_mb_per_device"] \
         < steps["replicated"]["state_mb_per_device"]
     assert steps["replicated"]["time_vs_replicated"] == 1.0
+
+
+def test_step_memory_suite_counts_each_options_bytes(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "step_memory.jsonl")
+    for model in {r["model"] for r in rows}:
+        by = {r["option"]: r for r in rows if r["model"] == model}
+        assert by["fp32 (float32 policy)"]["total_vs_fp32"] == 1.0
+        # Adam: 2 + 4 + 8 bytes per param with the master; 2 + 2 + 2 + 2 with kahan and bf16
+        # moments (the rounding key and the counters add a little on a tiny model).
+        assert by["float32"]["state_bytes_per_param"] == pytest.approx(14, abs=0.1)
+        assert by["kahan+bf16_moments"]["state_bytes_per_param"] == pytest.approx(8, abs=0.1)
+        assert by["fp32 (float32 policy)"]["state_bytes_per_param"] == pytest.approx(12, abs=0.1)
+        assert (by["kahan+bf16_moments"]["total_vs_fp32"] < by["float32"]["total_vs_fp32"]
+                < 1.0)
+    timed = {r["option"]: r for r in read_jsonl(out / "step_memory_time.jsonl")}
+    assert timed["float32"]["vs_float32"] == 1.0
+    for r in timed.values():
+        assert np.isfinite(r["step_ms"]) and r["step_ms"] > 0 and r["q25"] <= r["q75"]
+
+
+def test_master_numerics_suite_trains_each_option(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "master_numerics.jsonl")
+    runs = [r for r in rows if r["seed"] != "mean"]
+    assert [r["option"] for r in runs] == ["float32", "kahan", "stochastic+bf16_moments"]
+    assert all(np.isfinite(r["eval_loss"]) for r in rows)
+    # kahan keeps the fp32 value of every bf16 param: it trains as the master does.
+    assert abs(runs[1]["vs_float32"]) < 1e-3

@@ -26,6 +26,10 @@ class Config:
     # parallel="jit" only: 0 replicates the state on every device; 1 shards the fp32 master and
     # the optimizer state over the devices (ZeRO-1/2); 3 shards the working params too (ZeRO-3).
     zero: int = 0
+    # Where the fp32 value of each half-precision param lives (jaxamp.mixed_precision's master=):
+    # float32 | kahan | stochastic | none; and the dtype adamw's moments are stored in.
+    master: str = "float32"
+    moments_dtype: str = "float32"
     loss_scale: str = "auto"  # auto | dynamic | static | none
     init_scale: float = 2.0**16
     growth_interval: int = 2000
