@@ -246,7 +246,9 @@ class _Plan:
                                              jax.tree.leaves(params), strict=True)):
             masters.append(n if kind == _MASTER else _ABSENT)
             if kind == _KAHAN:
-                high, low = kahan_split(n, p.dtype)
+                # An exact tie moves by one fp32 ulp toward the side that round-to-nearest-even
+                # takes: the param is then the usual cast of the value, as with the master.
+                high, low = kahan_split(nudge_ties(n, p.dtype), p.dtype)
                 comps.append(low)
                 direct.append(_working_update(high, p))
                 continue
@@ -660,8 +662,10 @@ def mixed_precision(
           back into the param, rounded to the nearest, and what the rounding dropped
           (:func:`jaxamp.kahan_split`). For bf16 params that is exactly the fp32 word's lower
           16 bits (``uint16``), so the fp32 value is kept bit for bit and training follows
-          ``"float32"``'s (rounding ties away from zero, not to even, is the only
-          difference); for fp16 params, the fp16-rounded remainder (about 22 bits).
+          ``"float32"``'s. The one difference: a value exactly halfway between two bf16
+          values (one in 2**16) moves by one fp32 ulp toward the one the cast picks, so that
+          the compensation alone tells which way it was rounded. For fp16 params, the
+          compensation is the fp16-rounded remainder (about 22 bits).
         - ``"stochastic"``: no master and no buffer. The new fp32 value is rounded to the
           param's dtype stochastically (:func:`jaxamp.stochastic_round`), exact in
           expectation, with the state's ``rounding_key`` folded with the step and the leaf
