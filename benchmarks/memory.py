@@ -95,22 +95,12 @@ def _linen_memory(case: dict, variant: str) -> tuple[int, int]:
     return saved, state
 
 
-def _jaxamp_memory(case: dict, policy: str) -> tuple[int, int]:
-    """``(saved activation bytes, params + master + adamw state bytes)`` of a reference model."""
+def reference_loss(name: str, kw: dict, kind: str, shape: tuple, policy: str):
+    """``(params, loss(params, batch), batch)`` of the NNX reference model ``name`` built under
+    ``policy``: its cross-entropy (``kind`` "image") or masked-LM loss ("text") on zeros."""
     from train import models
-    name, kw = case["nnx"]
-    model = models.build(name, policy, **kw)
-    graphdef, params, model_state = models.split(model)
-    if policy == "float32":  # what an fp32 user holds: params and adamw's moments
-        state_bytes = tree_bytes(params) + tree_bytes(
-            jax.eval_shape(optax.adamw(1e-3).init, params))
-    else:  # working params, and the fp32 master with adamw's moments in the optimizer state
-        tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
-        state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
-        state_bytes = tree_bytes(state.params) + tree_bytes(state.opt_state)
-    working = jaxamp.get_policy(policy).cast_params_to_compute(params)
-    shape = case["shape"]
-    if case["kind"] == "image":
+    graphdef, params, model_state = models.split(models.build(name, policy, **kw))
+    if kind == "image":
         batch = {"image": jnp.zeros(shape, jnp.float32), "label": jnp.zeros(shape[:1], jnp.int32)}
         closs = models.classification_loss(graphdef)
 
@@ -122,8 +112,22 @@ def _jaxamp_memory(case: dict, policy: str) -> tuple[int, int]:
 
         def loss(p, b):
             return mlm(p, b)[0]
-    report = jaxamp.audit_grad(loss, working, batch)
-    return report.saved_bytes, state_bytes
+    return params, loss, batch
+
+
+def _jaxamp_memory(case: dict, policy: str) -> tuple[int, int]:
+    """``(saved activation bytes, params + master + adamw state bytes)`` of a reference model."""
+    name, kw = case["nnx"]
+    params, loss, batch = reference_loss(name, kw, case["kind"], case["shape"], policy)
+    if policy == "float32":  # what an fp32 user holds: params and adamw's moments
+        state_bytes = tree_bytes(params) + tree_bytes(
+            jax.eval_shape(optax.adamw(1e-3).init, params))
+    else:  # working params, and the fp32 master with adamw's moments in the optimizer state
+        tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
+        state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
+        state_bytes = tree_bytes(state.params) + tree_bytes(state.opt_state)
+    working = jaxamp.get_policy(policy).cast_params_to_compute(params)
+    return jaxamp.audit_grad(loss, working, batch).saved_bytes, state_bytes
 
 
 def run(args) -> list[dict]:

@@ -20,11 +20,11 @@ bf16, so its buffers do not show the bf16 savings.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import jaxamp
 from benchmarks import harness
+from benchmarks import memory
 from benchmarks import overhead
 from benchmarks.harness import tree_bytes
 
@@ -55,23 +55,9 @@ def _cases(tiny: bool) -> dict[str, dict]:
 
 
 def _model(case: dict, policy: str):
-    """``(abstract params, loss(params, batch), abstract batch)`` of a reference model."""
-    from train import models
-    model = models.build(case["model"], policy, **case["kw"])
-    graphdef, params, model_state = models.split(model)
-    shape = case["shape"]
-    if case["kind"] == "image":
-        batch = {"image": jnp.zeros(shape, jnp.float32), "label": jnp.zeros(shape[:1], jnp.int32)}
-        closs = models.classification_loss(graphdef)
-
-        def loss(p, b):
-            return closs(p, b, model_state=model_state)[0]
-    else:
-        batch = {"tokens": jnp.zeros(shape, jnp.int32), "targets": jnp.zeros(shape, jnp.int32)}
-        mlm = models.mlm_loss(graphdef)
-
-        def loss(p, b):
-            return mlm(p, b)[0]
+    """``(abstract params, loss(params, batch), batch)`` of a reference model."""
+    params, loss, batch = memory.reference_loss(case["model"], case["kw"], case["kind"],
+                                                case["shape"], policy)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), loss, batch
 
 

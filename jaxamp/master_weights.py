@@ -238,10 +238,11 @@ class _Plan:
         return jax.tree.unflatten(self.treedef, out)
 
     def split(self, new_view: Any, params: Any, comp: Any, key: Any):
-        """``(master, compensation, direct updates)`` of the new values: the master leaves
+        """``(master, compensation, targets)`` of the new values: the master leaves
         (``master="float32"``), the new compensation (``"kahan"``), and for every other
-        floating leaf the fp32 update that lands its working param on its new value."""
-        masters, comps, direct = [], [], []
+        floating leaf its new working param (in the param's dtype: the branch hands out 2
+        bytes per bf16 param, not a 4-byte update)."""
+        masters, comps, targets = [], [], []
         for i, (kind, n, p) in enumerate(zip(self.kinds, jax.tree.leaves(new_view),
                                              jax.tree.leaves(params), strict=True)):
             masters.append(n if kind == _MASTER else _ABSENT)
@@ -250,25 +251,22 @@ class _Plan:
                 # takes: the param is then the usual cast of the value, as with the master.
                 high, low = kahan_split(nudge_ties(n, p.dtype), p.dtype)
                 comps.append(low)
-                direct.append(_working_update(high, p))
+                targets.append(high)
                 continue
             comps.append(_ABSENT)
             if kind == _SAME:
-                direct.append(_working_update(n, p))
+                targets.append(n.astype(p.dtype))
             elif kind == _STOCHASTIC:
-                direct.append(_working_update(
-                    stochastic_round(n, p.dtype, jax.random.fold_in(key, i)), p))
+                targets.append(stochastic_round(n, p.dtype, jax.random.fold_in(key, i)))
             elif kind == _NEAREST:
-                direct.append(_working_update(n.astype(p.dtype), p))
+                targets.append(n.astype(p.dtype))
         master = jax.tree.unflatten(self.treedef, masters)
         comp = None if comp is None else jax.tree.unflatten(self.treedef, comps)
-        return master, comp, direct
+        return master, comp, targets
 
     def unchanged(self, params: Any) -> list:
-        """The direct updates of a skipped step: ``-0.0``, the additive identity that keeps
-        every bit (signed zeros too)."""
-        return [jnp.full_like(p, -0.0, dtype=jnp.float32)
-                for kind, p in zip(self.kinds, jax.tree.leaves(params), strict=True)
+        """The targets of a skipped step: the params as they are."""
+        return [p for kind, p in zip(self.kinds, jax.tree.leaves(params), strict=True)
                 if kind not in (_MASTER, _OTHER)]
 
     def moments_up(self, inner_state: Any) -> Any:
@@ -376,11 +374,11 @@ def _apply(inner, extra_args, plan: _Plan, scale, master, comp, inner_state, par
     param_key = moment_key = None
     if key is not None:
         param_key, moment_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-    # The direct updates of the leaves without a master are exact differences: returning the
-    # inner update itself is not enough, XLA may fuse the optimizer's last multiply into
-    # p + u as an FMA.
-    master, comp, direct = plan.split(new_view, params, comp, param_key)
-    return master, comp, plan.moments_down(new_inner, inner_state, moment_key), direct
+    # The leaves without a master return their new param; the update handed out is the exact
+    # difference to it (the inner update itself is not enough: XLA may fuse the optimizer's
+    # last multiply into p + u as an FMA).
+    master, comp, targets = plan.split(new_view, params, comp, param_key)
+    return master, comp, plan.moments_down(new_inner, inner_state, moment_key), targets
 
 
 def _skip(plan: _Plan, master, comp, inner_state, params, grads, key):
@@ -400,7 +398,7 @@ def _resolve_skip(skip: str) -> str:
 
 
 def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, *operands):
-    """``(master, compensation, inner_state, direct)`` of the applied step if ``finite``, else
+    """``(master, compensation, inner_state, targets)`` of the applied step if ``finite``, else
     of the skip."""
     if skip == "cond":
         return lax.cond(finite, apply, skip_fn, *operands)
@@ -417,12 +415,13 @@ def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int
     return skips, stalled
 
 
-def _working_updates(plan: _Plan, master: Any, params: Any, direct: list) -> Any:
+def _working_updates(plan: _Plan, master: Any, params: Any, targets: list) -> Any:
     """Updates that land each working param on its new value: the exact difference to the
-    cast master where there is one, the branch's update for the other floating leaves."""
+    cast master where there is one, to the branch's new param for the other floating leaves
+    (``-0.0`` where it did not move, so that even signed zeros are kept)."""
     param_leaves = jax.tree.leaves(params)
     masters = _slots(master, len(param_leaves))
-    direct_iter = iter(direct)
+    target_iter = iter(targets)
     updates = []
     for kind, p, m, d in zip(plan.kinds, param_leaves, masters, plan.work_dtypes, strict=True):
         if kind == _MASTER:
@@ -430,7 +429,7 @@ def _working_updates(plan: _Plan, master: Any, params: Any, direct: list) -> Any
         elif kind == _OTHER:
             updates.append(jnp.zeros_like(p))
         else:
-            updates.append(next(direct_iter))
+            updates.append(_working_update(next(target_iter), p))
     return jax.tree.unflatten(plan.treedef, updates)
 
 
@@ -504,13 +503,13 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # lets XLA update donated buffers in place and never runs the optimizer on a skipped step;
     # a select per leaf (skip="select") runs it always and keeps the old bits where the grads
     # are not finite.
-    master, comp, inner_state, direct = _skip_or_apply(
+    master, comp, inner_state, targets = _skip_or_apply(
         _resolve_skip(skip), stats.finite,
         functools.partial(_apply, inner, extra_args, plan, state.loss_scale),
         functools.partial(_skip, plan),
         state.master_params, state.compensation, state.inner_state, params, updates,
         _step_key(state))
-    new_updates = _working_updates(plan, master, params, direct)
+    new_updates = _working_updates(plan, master, params, targets)
     return new_updates, _new_state(state, master, comp, inner_state, stats, stall_after)
 
 
