@@ -247,9 +247,7 @@ class _Plan:
                                              jax.tree.leaves(params), strict=True)):
             masters.append(n if kind == _MASTER else _ABSENT)
             if kind == _KAHAN:
-                # An exact tie moves by one fp32 ulp toward the side that round-to-nearest-even
-                # takes: the param is then the usual cast of the value, as with the master.
-                high, low = kahan_split(nudge_ties(n, p.dtype), p.dtype)
+                high, low = _split_as_cast(n, p.dtype)
                 comps.append(low)
                 targets.append(high)
                 continue
@@ -295,6 +293,13 @@ class _Plan:
             return inner_state
         return jax.tree.map(lambda x: x.astype(self.moments_dtype) if _is_moment(x) else x,
                             inner_state)
+
+
+def _split_as_cast(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`kahan_split` after an exact tie moves by one fp32 ulp toward the side that
+    round-to-nearest-even takes: the param is then the usual cast of the value, as with a
+    master (at init too, where the params are cast the usual way)."""
+    return kahan_split(nudge_ties(x, dtype), dtype)
 
 
 def _is_moment(x: Any) -> bool:
@@ -534,7 +539,7 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, mome
     comp = None
     if master_option == "kahan":
         comp = jax.tree.unflatten(plan.treedef, [
-            kahan_split(nudge_ties(v, d), d)[1] if kind == _KAHAN else _ABSENT
+            _split_as_cast(v, d)[1] if kind == _KAHAN else _ABSENT
             for kind, v, d in zip(plan.kinds, leaves, plan.work_dtypes, strict=True)])
     return MixedPrecisionState(
         master_params=master,

@@ -149,3 +149,22 @@ def standard_promotion(inner):
         with jax.numpy_dtype_promotion("standard"):
             return inner.update(updates, state, params, **extra)
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def nnx_scaled_step(loss_of_model):
+    """An ``nnx.jit`` step ``step(model, optimizer) -> loss``: the gradient of
+    ``jaxamp.scale_loss(loss_of_model(model), optimizer.opt_state)``, then
+    ``optimizer.update``."""
+    from flax import nnx
+
+    import jaxamp
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss_fn(model):
+            loss = loss_of_model(model)
+            return jaxamp.scale_loss(loss, optimizer.opt_state), loss
+        (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return loss
+    return step

@@ -13,6 +13,7 @@ from helpers import assert_tree_bitwise_equal
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
+from helpers import nnx_scaled_step
 from helpers import standard_promotion
 from hypothesis import Phase
 from hypothesis import given
@@ -683,14 +684,8 @@ def test_works_as_an_nnx_optimizer():
     x = jnp.linspace(-1, 1, 64).reshape(16, 4)
     y = jnp.sin(x.sum(-1))
 
-    @nnx.jit
-    def train_step(model, optimizer):
-        def loss_fn(model):
-            loss = jnp.mean((model(x)[:, 0].astype(jnp.float32) - y) ** 2)
-            return jaxamp.scale_loss(loss, optimizer.opt_state), loss
-        (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        optimizer.update(model, grads)
-        return loss
+    train_step = nnx_scaled_step(
+        lambda model: jnp.mean((model(x)[:, 0].astype(jnp.float32) - y) ** 2))
 
     losses = [float(train_step(model, optimizer)) for _ in range(100)]
     assert losses[-1] < 0.5 * losses[0]

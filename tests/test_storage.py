@@ -14,6 +14,7 @@ from helpers import bits
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
+from helpers import nnx_scaled_step
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -398,15 +399,8 @@ def test_flax_train_state_and_nnx_optimizer(master):
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     nnx.update(model, policy.cast_params_to_compute(nnx.state(model, nnx.Param)))
 
-    @nnx.jit
-    def nnx_step(model, optimizer):
-        def loss_fn(model):
-            pred = model(jnp.asarray(batch["x"], BF16)).astype(F32)
-            loss = jnp.mean((pred - batch["y"]) ** 2)
-            return jaxamp.scale_loss(loss, optimizer.opt_state), loss
-        (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        optimizer.update(model, grads)
-        return loss
+    nnx_step = nnx_scaled_step(lambda model: jnp.mean(
+        (model(jnp.asarray(batch["x"], BF16)).astype(F32) - batch["y"]) ** 2))
 
     losses = [float(nnx_step(model, optimizer)) for _ in range(60)]
     assert losses[-1] < 0.5 * losses[0]
