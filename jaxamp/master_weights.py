@@ -917,7 +917,17 @@ def next_working_params(opt_state: Any, params: Any, updates: Any) -> Any:
     """The working params after ``updates`` (from this transform's ``update``): what
     ``optax.apply_updates(params, updates)`` gives, without its promotion of bf16 + fp32 (so
     it runs under ``jax.numpy_dtype_promotion("strict")``), and read at the source where
-    there is a master: its cast."""
+    there is a master: its cast.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> tx = mixed_precision(optax.sgd(0.25), "mixed_bfloat16", master="kahan")
+    >>> state, params = tx.init({"w": jnp.ones(2)}), {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    >>> with jax.numpy_dtype_promotion("strict"):
+    ...     new = next_working_params(state, params, updates)
+    >>> new["w"].dtype, new["w"].tolist()
+    (dtype(bfloat16), [0.75, 0.75])
+    """
     state = find_state(opt_state)
     masters = jax.tree.leaves(state.master_params, is_leaf=_is_absent)
     leaves, treedef = jax.tree.flatten(params)
