@@ -16,9 +16,12 @@ One module per concept:
 * ``parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``, and the
   sharded (ZeRO) state;
 * ``autocasting``: :func:`autocast`, per-op dtype rules for any unmodified model;
+* ``fp8``: FP8 matmuls, with current scaling (autocast's ``mixed_fp8``) or delayed scaling
+  (NNX layers whose amax histories the train step updates), reached as ``jaxamp.fp8.Linear``;
 * ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
 """
 
+from jaxamp import fp8
 from jaxamp import ops
 from jaxamp._tree import tree_path_str
 from jaxamp.auditing import AuditReport
@@ -85,6 +88,7 @@ __all__ = (
     "batch_sharding",
     "explain_overflow",
     "find_state",
+    "fp8",
     "full_precision",
     "get_loss_scale",
     "get_master_params",

@@ -71,6 +71,10 @@ class OpSite:
     where: str
 
 
+def _is_fp8(dtype_name: str) -> bool:
+    return dtype_name.startswith("float8")
+
+
 def _dtype_name(aval: Any) -> str:
     return jnp.dtype(aval.dtype).name if hasattr(aval, "dtype") else str(aval)
 
@@ -264,6 +268,17 @@ class AuditReport:
         return fp32 / total if total else 0.0
 
     @property
+    def fp8_matmul_flops(self) -> float:
+        """Matmul FLOPs whose two operands are FP8 (e4m3, e5m2 or one of each)."""
+        return float(sum(s.flops for s in self.matmuls if _is_fp8(s.lhs) and _is_fp8(s.rhs)))
+
+    @property
+    def fp8_matmul_share(self) -> float:
+        """Share of matmul FLOPs that run in FP8 (the ``mixed_fp8`` policy, ``jaxamp.fp8``)."""
+        total = self.total_matmul_flops
+        return self.fp8_matmul_flops / total if total else 0.0
+
+    @property
     def fp32_sources(self) -> dict[str, float]:
         """FLOPs of fp32 matmuls by the scope that made their fp32 operand (for example a
         LayerNorm computing in fp32), largest first: where to fix a promotion."""
@@ -284,6 +299,8 @@ class AuditReport:
             "matmul_flops_by_operands": dict(self.matmul_flops_by_operands),
             "matmul_flops_by_output": dict(self.matmul_flops_by_output),
             "fp32_matmul_share": self.fp32_matmul_share,
+            "fp8_matmul_flops": self.fp8_matmul_flops,
+            "fp8_matmul_share": self.fp8_matmul_share,
             "fp32_matmuls": [dataclasses.asdict(s) for s in self.fp32_matmuls],
             "fp32_sources": self.fp32_sources,
             "half_sensitive_ops": [dataclasses.asdict(s) for s in self.half_sensitive_ops],
@@ -318,11 +335,18 @@ class AuditReport:
                 (k, f"{v['count']:g}", f"{v['bytes'] / 1e6:.3f} MB")
                 for k, v in sorted(self.casts.items(), key=lambda kv: -kv[1]["bytes"])]),
         ]
+        if self.fp8_matmul_flops:  # its own row, only where FP8 runs
+            sections.insert(1, ("FP8 matmul FLOPs (both operands 8-bit)", [
+                ("float8", f"{self.fp8_matmul_flops / 1e9:.3f} GFLOP",
+                 f"{100 * self.fp8_matmul_flops / total:.1f}%")]))
         return sections
 
     def _summary(self) -> str:
-        return (f"total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
-                f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand")
+        s = (f"total matmul/conv FLOPs: {self.total_matmul_flops / 1e9:.3f} GFLOP, "
+             f"{100 * self.fp32_matmul_share:.1f}% with an fp32 operand")
+        if self.fp8_matmul_flops:
+            s += f", {100 * self.fp8_matmul_share:.1f}% in FP8"
+        return s
 
     def __str__(self) -> str:
         lines = [f"jaxamp precision audit: {self.title}", f"  {self._summary()}"]

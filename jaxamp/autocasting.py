@@ -24,6 +24,10 @@ rule            primitives
 ``promote``     everything else (add, mul, max, select_n, concatenate, reshapes, ...): the
                 floating inputs are cast to the widest of them; a weakly typed constant
                 (``x * 0.5``) adopts the others' dtype. A single-input op follows its input.
+``fp8``         ``dot_general`` under a policy with ``fp8=True`` (``mixed_fp8``): the operands
+                cast to the compute dtype, then quantized to e4m3 with current scaling, the
+                gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`); the output is in the
+                compute dtype. Convolutions keep the ``compute`` rule: FP8 is for matmuls.
 ``original``    the dtypes ``fn`` was traced with: inside :func:`full_precision`, and for
                 ``custom_vjp`` functions, ``shard_map`` and ``pmap`` bodies and callbacks,
                 whose rules were written for those dtypes.
@@ -77,6 +81,8 @@ from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
 from jaxamp._tree import is_floating_array
+from jaxamp import fp8
+from jaxamp.fp8 import fp8_dot_general
 from jaxamp.policy import get_policy
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
@@ -113,13 +119,19 @@ _VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "s
           "expand_dims", "copy")
 
 
-def _saveable(prim: Any, *_: Any, **params: Any) -> bool:
+def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     """The ``jax.checkpoint`` policy of ``recompute=True``: the outputs of ``_SAVED`` ops and
-    the matmuls' operands (named ``_OPERAND``), which their transposes read."""
-    return prim.name in _SAVED or (prim.name == "name" and params.get("name") == _OPERAND)
+    the matmuls' operands (named ``_OPERAND``), which their transposes read. An FP8 matmul
+    keeps its 8-bit operands and its output (named), not its fp32 accumulator."""
+    if prim.name == "name":
+        return params.get("name") in (_OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME)
+    if prim.name == "dot_general" and any(
+            jnp.dtype(getattr(a, "dtype", jnp.float32)).itemsize == 1 for a in avals):
+        return False
+    return prim.name in _SAVED
 
 
-_RULE_NAMES = ("compute", "float32", "promote", "original")
+_RULE_NAMES = ("compute", "float32", "promote", "original", "fp8")
 _FULL_PRECISION = "jaxamp_full_precision"
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
            "core_call": "call_jaxpr"}
@@ -165,7 +177,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
       policy: anything :func:`jaxamp.get_policy` accepts; its ``compute_dtype`` is the matmul
         dtype and ``output_dtype`` the dtype of what ``fn`` returns.
       rules: per-primitive overrides, ``{"exp": "compute"}``; a rule is one of ``compute``,
-        ``float32``, ``promote`` or ``original``.
+        ``float32``, ``promote``, ``original`` or ``fp8`` (``dot_general`` only; the default
+        under the ``mixed_fp8`` policy).
       fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
         run in fp32, matmuls included. Linen modules open a scope named after the module;
         NNX modules and Equinox open none (use ``jax.named_scope`` there). A scope that
@@ -196,7 +209,10 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     policy = get_policy(policy)
     if not jnp.issubdtype(policy.compute_dtype, jnp.floating):
         raise TypeError(f"autocast needs a floating compute dtype, got {policy.compute_dtype}")
-    context = _Context(policy.compute_dtype, _check_rules(rules), _check_scopes(fp32_scopes),
+    checked = _check_rules(rules)
+    if policy.fp8 and (rules is None or "dot_general" not in rules):
+        checked = {**checked, "dot_general": "fp8"}
+    context = _Context(policy.compute_dtype, checked, _check_scopes(fp32_scopes),
                        regions=jnp.dtype(policy.compute_dtype) != jnp.float32)
 
     @functools.wraps(fn)
@@ -245,6 +261,10 @@ def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:
         if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
             raise ValueError(f"rules keys are primitive names such as 'exp' or 'dot_general', "
                              f"got {name!r}")
+        if rule == "fp8" and name != "dot_general":
+            raise ValueError(f"rule 'fp8' is for 'dot_general' only, got it for {name!r}: FP8 "
+                             "convolutions and other primitives are not supported; keep them "
+                             "in the compute dtype ('compute')")
     return {**DEFAULT_RULES, **rules}
 
 
@@ -584,7 +604,10 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             return _while(ctx, eqn, invals, stack)
         if name == "cond":
             return _cond(ctx, eqn, invals, stack)
-    return _bind(eqn, _cast_inputs(ctx, eqn, invals, rule, const_in), rule, ctx)
+    if rule == "fp8" and not all(is_floating_array(x) for x in invals):
+        rule = "compute"  # an integer matmul: nothing to quantize
+    cast_rule = "compute" if rule == "fp8" else rule
+    return _bind(eqn, _cast_inputs(ctx, eqn, invals, cast_rule, const_in), rule, ctx)
 
 
 def _downcast_source(ctx: _Context, x: Any) -> Any:
@@ -687,6 +710,10 @@ def _broadcast_operands(eqn: Any, invals: list) -> list:
 
 
 def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
+    if rule == "fp8":
+        lhs, rhs = invals
+        return [fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"],
+                                preferred_element_type=ctx.compute)]
     if rule != "original" and eqn.primitive.name in _ELEMENTWISE:
         invals = _broadcast_operands(eqn, invals)
     if rule != "original" and _is_half_broadcast(eqn, invals):

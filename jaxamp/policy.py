@@ -55,7 +55,10 @@ _PRESET_DTYPES: dict[str, tuple[Any, Any, Any]] = {
     "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
     "mixed_bfloat16": (jnp.float32, jnp.bfloat16, jnp.float32),
     "mixed_float16": (jnp.float32, jnp.float16, jnp.float32),
+    "mixed_fp8": (jnp.float32, jnp.bfloat16, jnp.float32),
 }
+# Presets whose matmuls run in FP8 (under jaxamp.autocast, with current scaling).
+_FP8_PRESETS = ("mixed_fp8",)
 PRESETS: tuple[str, ...] = (*_PRESET_DTYPES, "auto")
 """Every preset name that :func:`get_policy` accepts (the CLI's ``--precision`` choices)."""
 _ACCEPTED = ("a preset (" + ", ".join(PRESETS) + "), a dtype name ("
@@ -85,7 +88,8 @@ def _as_float_dtype(value: Any, *, what: str, context: str = "") -> np.dtype:
         raise ValueError(
             f"{what} dtype {dtype.name!r}{context} has {8 * dtype.itemsize} bits; a policy casts "
             "whole params and activations, which needs at least 16. Use bfloat16 or float16 "
-            "(8-bit matmuls need per-tensor scaling, which a policy does not provide).")
+            "(for FP8 matmuls, with per-tensor scaling, use the 'mixed_fp8' policy under "
+            "jaxamp.autocast, or the layers of jaxamp.fp8).")
     if dtype == jnp.float64 and not jax.config.read("jax_enable_x64"):
         raise ValueError(
             f"{what} dtype 'float64'{context} cannot run: 64-bit mode is off, so JAX would "
@@ -106,6 +110,10 @@ class Policy:
         matches ``regex`` (``re.search``) has ``dtype`` as its working dtype instead of
         ``compute_dtype``. The first matching rule wins.
       name: the preset or string this policy was parsed from (informational).
+      fp8: run matmuls (``dot_general``) in FP8 under :func:`jaxamp.autocast`: e4m3 operands
+        in the forward pass, e5m2 gradients, each tensor scaled by its own amax
+        (:func:`jaxamp.fp8.fp8_dot_general`). Everything else follows ``compute_dtype``. The
+        ``mixed_fp8`` preset sets it.
 
     >>> import jax.numpy as jnp
     >>> p = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
@@ -120,6 +128,7 @@ class Policy:
     output_dtype: Any = jnp.float32
     overrides: tuple[tuple[str, Any], ...] = ()
     name: str = dataclasses.field(default="", compare=False)
+    fp8: bool = False
 
     def __post_init__(self):
         for field in ("param", "compute", "output"):
@@ -146,6 +155,8 @@ class Policy:
             return _SHORT_NAME.get(jnp.dtype(d), jnp.dtype(d).name)
         s = (f"p={short(self.param_dtype)},c={short(self.compute_dtype)},"
              f"o={short(self.output_dtype)}")
+        if self.fp8:
+            s += ",matmul=fp8"
         if self.overrides:
             s += " overrides=" + ",".join(f"{p!r}:{short(d)}" for p, d in self.overrides)
         return s
@@ -283,6 +294,7 @@ def get_policy(spec: Any = "mixed_bfloat16", *,
     bfloat16        p=bf16,c=bf16,o=bf16
     mixed_bfloat16  p=f32,c=bf16,o=f32
     mixed_float16   p=f32,c=f16,o=f32
+    mixed_fp8       p=f32,c=bf16,o=f32,matmul=fp8
     auto            p=f32,c=f32,o=f32
 
     ``auto`` picks a preset per device (see :func:`resolve_auto`).
@@ -327,7 +339,7 @@ def _parse(spec: Any, device: Any) -> Policy:
         resolved = _parse(resolve_auto(device), device)
         return dataclasses.replace(resolved, name=f"auto:{resolved.name}")
     if lowered in _PRESET_DTYPES:
-        return Policy(*_PRESET_DTYPES[lowered], name=lowered)
+        return Policy(*_PRESET_DTYPES[lowered], name=lowered, fp8=lowered in _FP8_PRESETS)
     if "=" in name:
         return _parse_jmp_grammar(name)
     if lowered in _DTYPE_NAMES:

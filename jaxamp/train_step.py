@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from jaxamp import _data_parallel
+from jaxamp import fp8
 from jaxamp._jaxpr import walk
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
@@ -64,8 +65,8 @@ __all__ = ["TrainState", "make_train_step"]
 
 
 def _same_policy(a: Policy, b: Policy) -> bool:
-    return (a.param_dtype, a.compute_dtype, a.overrides) == (b.param_dtype, b.compute_dtype,
-                                                            b.overrides)
+    return ((a.param_dtype, a.compute_dtype, a.overrides, a.fp8)
+            == (b.param_dtype, b.compute_dtype, b.overrides, b.fp8))
 
 
 def _resolve_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
@@ -305,14 +306,19 @@ def _step(config: _StepConfig, state: TrainState, batch: Any):
     rng = _step_rng(config, state)
     if dp is not None:
         _data_parallel.check_batch(dp, batch, config.accum_steps)
-        loss, grads, new_model_state, aux = _sharded_gradients(config, dp, state, scale, batch,
-                                                               rng)
+        loss, grads, new_model_state, aux, seen = _sharded_gradients(config, dp, state, scale,
+                                                                     batch, rng)
     else:
-        loss, grads, new_model_state, aux = _gradients(config, state.policy, state.params,
-                                                       scale, state.model_state, batch, rng)
+        loss, grads, new_model_state, aux, seen = _gradients(
+            config, state.policy, state.params, scale, state.model_state, batch, rng)
     if config.axis_name is not None:
         loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
                                                               new_model_state)
+        seen = [lax.pmax(a, config.axis_name) for a in seen]
+    if seen:  # the FP8 metadata: rolled here, kept as it was on a skipped step (by _update)
+        new_model_state = fp8.replace_fp8_states(new_model_state, [
+            fp8.update_fp8_state(s, a)
+            for s, a in zip(fp8.find_fp8_states(state.model_state), seen, strict=True)])
     if dp is not None and dp.explicit:
         new_state, metrics = _update_on_explicit_mesh(config, dp, state, grads, new_model_state)
     else:
@@ -355,7 +361,8 @@ def _has_half_params(policy: Policy, params: Any) -> bool:
 
 
 def _gradients(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
-    """``(loss, gradients of loss * scale, new model state, aux)`` of one device's batch."""
+    """``(loss, gradients of loss * scale, new model state, aux, seen)`` of one device's batch,
+    ``seen`` the FP8 amax of each :class:`~jaxamp.fp8.Fp8State` in the model state."""
     if config.accum_steps == 1:
         return _micro_batch(config, policy, params, scale, model_state, batch, rng)
     return _accumulate(config, policy, params, scale, model_state, batch, rng)
@@ -380,19 +387,20 @@ def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
             model_state = _data_parallel.to_varying(model_state, dp.names)
         if rng is not None:
             rng = jax.random.fold_in(rng, lax.axis_index(dp.names))
-        loss, grads, new_model_state, aux = _gradients(config, state.policy, params, scale,
-                                                       model_state, batch, rng)
+        loss, grads, new_model_state, aux, seen = _gradients(config, state.policy, params, scale,
+                                                             model_state, batch, rng)
         grads = _data_parallel.reduce(dp, grads, grad_specs, config.reduce_dtype)
+        seen = [lax.pmax(a, dp.names) for a in seen]
         new_model_state = (_data_parallel.sync(dp, new_model_state) if config.has_model_state
                            else None)
         aux = _data_parallel.stack(dp, aux, stacked=config.accum_steps > 1)
-        return lax.pmean(loss, dp.names), grads, new_model_state, aux
+        return lax.pmean(loss, dp.names), grads, new_model_state, aux, seen
 
     replicated, split = PartitionSpec(), PartitionSpec(_data_parallel.spec_entry(dp.names))
     return jax.shard_map(
         local, mesh=dp.mesh, axis_names=frozenset(dp.names),
         in_specs=(param_specs, replicated, split, replicated, replicated),
-        out_specs=(replicated, grad_specs, replicated, split),
+        out_specs=(replicated, grad_specs, replicated, split, replicated),
     )(state.params, dp.place(state.model_state, replicated), dp.place(batch, split),
       scale, rng)
 
@@ -421,24 +429,47 @@ def _step_rng(config: _StepConfig, state: TrainState):
 
 
 def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
-    """``(loss, grads of loss * scale, new model state, aux)`` of one micro-batch."""
-    loss_fn = _autocast(config.loss_fn, policy) if config.autocast else config.loss_fn
+    """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch.
 
-    def scaled(params):
+    Each :class:`~jaxamp.fp8.Fp8State` in the model state is handed to ``loss_fn`` with its
+    gradient scale divided by the loss scale, and differentiated: the cotangent of its scale
+    is the amax its matmul saw (``seen``, the gradient's unscaled). The new model state holds
+    the states as they came in; the step rolls ``seen`` into them."""
+    loss_fn = _autocast(config.loss_fn, policy) if config.autocast else config.loss_fn
+    states = fp8.find_fp8_states(model_state) if config.has_model_state else []
+
+    def scaled(params, handed):
         kwargs = {}
         if config.has_model_state:
-            kwargs["model_state"] = model_state
+            kwargs["model_state"] = fp8.replace_fp8_states(model_state, handed)
         if config.has_rng:
             kwargs["rng"] = rng
-        loss, new_model_state, aux = split_outputs(loss_fn(params, batch, **kwargs),
-                                                   config.has_aux, config.has_model_state)
+        with fp8.recording_delayed_calls() as calls:
+            out = loss_fn(params, batch, **kwargs)
+        if calls and not states:
+            raise ValueError(fp8.UNTRACKED_MESSAGE)
+        loss, new_model_state, aux = split_outputs(out, config.has_aux, config.has_model_state)
+        if states:
+            new_model_state = _restore_fp8_states(new_model_state, states)
         loss = check_loss(loss)
         return loss * scale, (loss, new_model_state, aux)
 
+    handed = [fp8.with_loss_scale(s, scale) for s in states]
     if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
-        _warn_fp32_matmuls(scaled, params, policy)
-    (_, (loss, new_model_state, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    return loss, grads, new_model_state, aux
+        _warn_fp32_matmuls(lambda p: scaled(p, handed), params, policy)
+    (_, (loss, new_model_state, aux)), (grads, cotangents) = jax.value_and_grad(
+        scaled, argnums=(0, 1), has_aux=True)(params, handed)
+    seen = [fp8.seen_amax(c, scale) for c in cotangents]
+    return loss, grads, new_model_state, aux, seen
+
+
+def _restore_fp8_states(new_model_state: Any, states: list) -> Any:
+    if len(fp8.find_fp8_states(new_model_state)) != len(states):
+        raise ValueError(
+            f"the model state holds {len(states)} jaxamp.fp8.Fp8State(s) but loss_fn returned "
+            f"a model state with {len(fp8.find_fp8_states(new_model_state))}; return the whole "
+            "model state, e.g. nnx.state(model, ...) with the same filters as nnx.split")
+    return fp8.replace_fp8_states(new_model_state, states)
 
 
 def _split_microbatches(batch: Any, k: int) -> Any:
@@ -460,20 +491,24 @@ def _accumulate(config: _StepConfig, policy: Policy, params, scale, model_state,
     k = config.accum_steps
 
     def body(carry, xs):
-        acc, model_state = carry
+        acc, seen, model_state = carry
         micro_batch, index = xs
         micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-        loss, grads, new_ms, aux = _micro_batch(config, policy, params, scale, model_state,
-                                                micro_batch, micro_rng)
+        loss, grads, new_ms, aux, micro_seen = _micro_batch(config, policy, params, scale,
+                                                            model_state, micro_batch, micro_rng)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return (acc, new_ms if config.has_model_state else model_state), (loss, aux)
+        seen = [jnp.maximum(a, b) for a, b in zip(seen, micro_seen, strict=True)]  # never a sum
+        return (acc, seen, new_ms if config.has_model_state else model_state), (loss, aux)
 
     # zeros_like keeps a param's type: varying over the data axis inside shard_map.
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
-    (acc, new_model_state), (losses, aux) = lax.scan(
-        body, (zeros, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
+    no_amax = [jnp.zeros_like(s.scale) for s in (
+        fp8.find_fp8_states(model_state) if config.has_model_state else [])]
+    (acc, seen, new_model_state), (losses, aux) = lax.scan(
+        body, (zeros, no_amax, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
     inv_k = jnp.float32(1.0 / k)
-    return jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux
+    return (jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux,
+            seen)
 
 
 def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):

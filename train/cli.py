@@ -62,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--moments-dtype", choices=("float32", "bfloat16"),
                     help="the dtype adamw's moments are stored in (bfloat16: rounded "
                          "stochastically, computed in fp32)")
+    ap.add_argument("--fp8-recipe", choices=("current", "delayed"),
+                    help="with --precision mixed_fp8: current (default) scales each FP8 tensor "
+                         "by its own amax, through jaxamp.autocast, for any model; delayed "
+                         "keeps amax histories in the model state (bert_* and gpt_* models)")
+    ap.add_argument("--fp8-history", type=int, metavar="N",
+                    help="with --fp8-recipe delayed: the amax history length (default 1024)")
     ap.add_argument("--loss-scale", choices=("auto", "dynamic", "static", "none"))
     ap.add_argument("--init-scale", type=float)
     ap.add_argument("--growth-interval", type=int)
@@ -103,6 +109,13 @@ def main(argv=None):
     if args.num_classes is not None and args.num_classes < 1:
         _fail(f"--num-classes {args.num_classes}; expected a positive number of classes")
     config = get_config(args.config, **overrides)
+    if args.fp8_recipe is not None and not jaxamp.get_policy(config.precision).fp8:
+        _fail(f"--fp8-recipe {args.fp8_recipe} is for --precision mixed_fp8, got --precision "
+              f"{config.precision}")
+    try:
+        train_lib.check_fp8(config)
+    except ValueError as e:
+        _fail(str(e))
     if config.data:
         # Before anything is written: a bad file leaves no workdir behind.
         config = check_data(config, args.num_classes)

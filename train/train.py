@@ -55,12 +55,14 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     os.makedirs(workdir, exist_ok=True)
     is_chief = jax.process_index() == 0
     policy = jaxamp.get_policy(config.precision)
+    check_fp8(config)
     batches, evals, meta = build_data(config)
     params, model_state, loss_fn, eval_fn, flags = build_model(config, policy, meta)
     state = create_train_state(config, policy, params, model_state)
     axis = "batch" if config.parallel == "pmap" else None
+    autocast = uses_autocast(config, policy)
     step_fn = jaxamp.make_train_step(loss_fn, accum_steps=config.accum_steps, axis_name=axis,
-                                     autocast=config.autocast, **flags)
+                                     autocast=autocast, **flags)
     manager = checkpointing.manager(workdir, keep=config.keep_checkpoints)
     start = 0
     if resume:
@@ -81,13 +83,49 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     final = unput(state)
     summary = _summary(config, final, stopped, start if resume else None)
     if stopped is None:
-        summary.update(evaluate(config, _gathered(final), eval_fn, flags, evals))
+        summary.update(evaluate(config, _gathered(final), eval_fn, flags, evals,
+                                autocast=autocast))
         if is_chief:
             plot_run(workdir)
     if is_chief:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
+
+
+FP8_RECIPES = ("current", "delayed")
+
+
+def check_fp8(config: Config) -> None:
+    """A ``ValueError`` for an FP8 setting that cannot run (before anything is built)."""
+    if config.fp8_recipe not in FP8_RECIPES:
+        raise ValueError(f"unknown fp8_recipe {config.fp8_recipe!r}; expected one of "
+                         f"{', '.join(FP8_RECIPES)}")
+    if not jaxamp.get_policy(config.precision).fp8:
+        return
+    family = models.MODELS.get(config.model, ("?",))[0]
+    if family == "resnet":
+        raise ValueError(f"precision {config.precision!r} runs matmuls in FP8, and "
+                         f"{config.model!r} is convolutions: FP8 convolutions are not "
+                         "supported. Use mixed_bfloat16 for a ResNet")
+    if config.fp8_recipe == "delayed":
+        jaxamp.fp8.DelayedScaling(history_length=config.fp8_history)  # checks the length
+        if family not in ("bert", "gpt"):
+            raise ValueError(f"fp8_recipe 'delayed' needs jaxamp.fp8's layers, which the "
+                             f"bert_* and gpt_* models have and {config.model!r} does not; "
+                             "use fp8_recipe 'current' (jaxamp.autocast, any model)")
+
+
+def uses_autocast(config: Config, policy: jaxamp.Policy) -> bool:
+    """``--autocast``, or FP8 with the current recipe (which is autocast's FP8 rule)."""
+    return bool(config.autocast) or (policy.fp8 and config.fp8_recipe == "current")
+
+
+def fp8_recipe_of(config: Config, policy: jaxamp.Policy) -> jaxamp.fp8.DelayedScaling | None:
+    """The delayed-scaling recipe the model's layers are built with, or ``None``."""
+    if policy.fp8 and config.fp8_recipe == "delayed":
+        return jaxamp.fp8.DelayedScaling(history_length=config.fp8_history)
+    return None
 
 
 def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
@@ -255,14 +293,15 @@ def build_model(config: Config, policy: jaxamp.Policy, meta: dict):
     else:
         kwargs.setdefault("num_classes", meta["num_classes"])
         kwargs.setdefault("in_channels", meta["in_channels"])
-    model = models.build(config.model, policy, seed=config.seed, **kwargs)
+    model = models.build(config.model, policy, seed=config.seed,
+                         fp8=fp8_recipe_of(config, policy), **kwargs)
     graphdef, params, model_state = models.split(model)
     if config.task == "mlm":
-        loss_fn = eval_fn = models.mlm_loss(graphdef)
-        flags = dict(has_aux=True)
+        loss_fn = eval_fn = models.mlm_loss(graphdef, has_model_state=model_state is not None)
+        flags = dict(has_aux=True, has_model_state=model_state is not None)
     elif _is_text(config.task):
-        loss_fn = eval_fn = models.lm_loss(graphdef)
-        flags = dict(has_aux=True)
+        loss_fn = eval_fn = models.lm_loss(graphdef, has_model_state=model_state is not None)
+        flags = dict(has_aux=True, has_model_state=model_state is not None)
     else:
         loss_fn = models.classification_loss(graphdef)
         eval_fn = models.classification_loss(graphdef, train=False)
@@ -364,10 +403,13 @@ class _Stop:
 # --------------------------------------------------------------------------------------------
 
 def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags: dict,
-             evals) -> dict:
-    """Mean loss (and accuracy for classification) over up to ``config.eval_batches`` batches."""
+             evals, *, autocast: bool = False) -> dict:
+    """Mean loss (and accuracy for classification) over up to ``config.eval_batches`` batches,
+    computed as the step computes it (under ``jaxamp.autocast`` when the step is)."""
     policy = state.policy
     kwargs = {"model_state": state.model_state} if flags.get("has_model_state") else {}
+    if autocast:
+        loss_fn = jaxamp.autocast(loss_fn, policy)
 
     @jax.jit
     def eval_step(params, batch):

@@ -30,6 +30,11 @@ class Config:
     # float32 | kahan | stochastic | none; and the dtype adamw's moments are stored in.
     master: str = "float32"
     moments_dtype: str = "float32"
+    # precision="mixed_fp8" only: "current" runs every matmul of the model in FP8 through
+    # jaxamp.autocast, each tensor scaled by its own amax; "delayed" builds the model with
+    # jaxamp.fp8's delayed-scaling layers (amax histories in the model state; bert_*, gpt_*).
+    fp8_recipe: str = "current"
+    fp8_history: int = 1024
     loss_scale: str = "auto"  # auto | dynamic | static | none
     init_scale: float = 2.0**16
     growth_interval: int = 2000

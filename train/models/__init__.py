@@ -88,7 +88,8 @@ def config_of(name: str, *, num_classes: int | None = None, vocab: int | None = 
 
 
 def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
-          vocab: int | None = None, seed: int = 0, **overrides: Any) -> nnx.Module:
+          vocab: int | None = None, seed: int = 0,
+          fp8: jaxamp.fp8.DelayedScaling | None = None, **overrides: Any) -> nnx.Module:
     """Builds model ``name`` computing in ``policy``'s compute dtype, with fp32 params.
 
     Args:
@@ -103,6 +104,9 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
       num_classes: the ResNet classifier's size.
       vocab: a transformer's vocabulary size.
       seed: seeds the param init.
+      fp8: a ``jaxamp.fp8.DelayedScaling`` recipe: every matmul of a BERT or GPT runs in FP8
+        with delayed scaling (its metadata is in :func:`split`'s model state). ResNets are
+        convolutions, which FP8 does not cover.
       **overrides: fields of the config (``ResNetConfig`` or ``TransformerConfig``), for
         example ``stage_sizes=(1, 1), width=8`` or ``depth=2, width=64``.
 
@@ -113,33 +117,45 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
     dtype = jaxamp.get_policy(policy).compute_dtype
     rngs = nnx.Rngs(seed)
     family = MODELS[name][0]
+    if fp8 is not None and family not in ("bert", "gpt"):
+        raise ValueError(f"delayed-scaling FP8 layers exist for the bert_* and gpt_* models, not "
+                         f"{name!r}: " + ("a ResNet is convolutions, and FP8 convolutions are "
+                                          "not supported" if family == "resnet" else
+                                          "it is built from flax's own layers; run it in FP8 "
+                                          "with the current recipe (jaxamp.autocast)"))
     if family == "resnet":
         return ResNet(config, dtype=dtype, rngs=rngs)
     if family == "bert":
-        return BertMLM(config, dtype=dtype, rngs=rngs)
+        return BertMLM(config, dtype=dtype, fp8=fp8, rngs=rngs)
     if family == "nnx_gpt":
         if config.mlp != 4 * config.width:
             raise ValueError(f"{name!r} has mlp = 4 * width; got mlp={config.mlp}, "
                              f"width={config.width}")
         return nnx_gpt.GPT(config.vocab, config.width, config.depth, config.heads,
                            config.max_len, rngs=rngs)
-    return GPT(config, dtype=dtype, rngs=rngs)
+    return GPT(config, dtype=dtype, fp8=fp8, rngs=rngs)
 
 
 def split(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict | None]:
     """``(graphdef, params, model_state)``: the functional form of ``model``.
 
     ``params`` is the ``nnx.Param`` state as a nested dict of arrays (what ``TrainState``
-    and the optimizer take); ``model_state`` holds the batch-norm statistics, as a nested
-    dict, or is ``None`` when the model has none (transformers).
+    and the optimizer take); ``model_state`` holds the batch-norm statistics and the FP8
+    metadata (``jaxamp.fp8.Fp8Meta``), as a nested dict, or is ``None`` when the model has
+    neither (transformers without FP8).
     """
-    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, MODEL_STATE, ...)
     if jax.tree.leaves(rest):
-        raise ValueError("the model holds state that is neither nnx.Param nor nnx.BatchStat "
-                         f"({sorted(nnx.to_pure_dict(rest))}); split it by hand")
+        raise ValueError("the model holds state that is neither nnx.Param, nnx.BatchStat nor "
+                         f"jaxamp.fp8.Fp8Meta ({sorted(nnx.to_pure_dict(rest))}); split it by "
+                         "hand")
     model_state = nnx.to_pure_dict(stats)
     return graphdef, nnx.to_pure_dict(params), (model_state if jax.tree.leaves(model_state)
                                              else None)
+
+
+MODEL_STATE = (nnx.BatchStat, jaxamp.fp8.Fp8Meta)
+"""The variable kinds of the model state: batch-norm statistics and FP8 metadata."""
 
 
 def merge(graphdef: nnx.GraphDef, params: Any, model_state: Any = None) -> nnx.Module:
@@ -179,7 +195,7 @@ def classification_loss(graphdef: nnx.GraphDef, *, train: bool = True) -> Callab
         labels_B = batch["label"]
         loss = softmax_cross_entropy(logits_BxK, labels_B).mean()
         accuracy = (logits_BxK.argmax(-1) == labels_B).astype(F32).mean()
-        new_state = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        new_state = nnx.to_pure_dict(nnx.state(model, MODEL_STATE))
         return loss, new_state, {"accuracy": accuracy}
     return loss_fn
 
@@ -194,29 +210,43 @@ def _token_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
     return loss, {"accuracy": accuracy}
 
 
-def mlm_loss(graphdef: nnx.GraphDef) -> Callable:
-    """``loss_fn(params, batch) -> (loss, aux)`` for a :class:`BertMLM` (``has_aux=True``).
+def _with_model_state(loss_of_model: Callable, graphdef: nnx.GraphDef,
+                      has_model_state: bool) -> Callable:
+    """``loss_fn(params, batch) -> (loss, aux)``; with ``has_model_state`` (FP8 metadata),
+    ``loss_fn(params, batch, model_state) -> (loss, new_model_state, aux)``."""
+    if not has_model_state:
+        return lambda params, batch: loss_of_model(merge(graphdef, params), batch)
+
+    def loss_fn(params, batch, model_state):
+        model = merge(graphdef, params, model_state)
+        loss, aux = loss_of_model(model, batch)
+        return loss, nnx.to_pure_dict(nnx.state(model, MODEL_STATE)), aux
+    return loss_fn
+
+
+def mlm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callable:
+    """``loss_fn(params, batch) -> (loss, aux)`` for a :class:`BertMLM` (``has_aux=True``);
+    with ``has_model_state`` (a model with FP8 metadata) it takes and returns the model state.
 
     Cross-entropy of ``batch["targets"]`` at the positions weighted by ``batch["mask"]`` (all
     positions when there is no mask), in fp32; ``aux`` is ``{"accuracy": ...}`` over the same
     positions.
     """
-    def loss_fn(params, batch):
-        model = merge(graphdef, params)
+    def loss_of_model(model, batch):
         logits = model(batch["tokens"], batch.get("segments"), logits_dtype=None)
         return _token_loss(logits, batch["targets"], batch.get("mask"))
-    return loss_fn
+    return _with_model_state(loss_of_model, graphdef, has_model_state)
 
 
-def lm_loss(graphdef: nnx.GraphDef) -> Callable:
-    """``loss_fn(params, batch) -> (loss, aux)``: next-token loss for a :class:`GPT`.
+def lm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callable:
+    """``loss_fn(params, batch) -> (loss, aux)``: next-token loss for a :class:`GPT`; with
+    ``has_model_state`` (a model with FP8 metadata) it takes and returns the model state.
 
     ``batch["targets"][:, i]`` is the token that follows ``batch["tokens"][:, : i + 1]``.
     Without ``"targets"``, the tokens are shifted: inputs ``tokens[:, :-1]``, targets
     ``tokens[:, 1:]``. An optional ``batch["mask"]`` weights the positions.
     """
-    def loss_fn(params, batch):
-        model = merge(graphdef, params)
+    def loss_of_model(model, batch):
         tokens, mask = batch["tokens"], batch.get("mask")
         if "targets" in batch:
             targets = batch["targets"]
@@ -230,4 +260,4 @@ def lm_loss(graphdef: nnx.GraphDef) -> Callable:
                     {"accuracy": _weighted_mean(logits.argmax(-1) == targets, mask)})
         logits = model(tokens, logits_dtype=None)
         return _token_loss(logits, targets, mask)
-    return loss_fn
+    return _with_model_state(loss_of_model, graphdef, has_model_state)

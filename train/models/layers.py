@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxamp import fp8 as fp8_lib
 from jaxamp import ops
 
 F32 = jnp.float32
@@ -53,19 +54,32 @@ class BatchNorm(nnx.Module):
         return y
 
 
+def _matmul(dot: fp8_lib.DotGeneral | None, x: jax.Array, w: jax.Array,
+            w_axis: int) -> jax.Array:
+    """``x`` contracted on its last axis with ``w``'s ``w_axis``: a plain matmul, or a delayed
+    FP8 one through ``dot``."""
+    dims = (((x.ndim - 1,), (w_axis,)), ((), ()))
+    if dot is None:
+        return jax.lax.dot_general(x, w, dims)
+    return dot(x, w, dims)
+
+
 class Dense(nnx.Module):
     """``x @ kernel + bias`` in ``dtype`` with fp32 params (the layout of ``nnx.Linear``);
-    the bias gradient is summed in fp32."""
+    the bias gradient is summed in fp32. ``fp8``: a ``jaxamp.fp8.DelayedScaling`` recipe runs
+    the matmul in FP8 with its own amax history."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype: Any = F32,
-                 kernel_init: Any = None, use_bias: bool = True, rngs: nnx.Rngs):
+                 kernel_init: Any = None, use_bias: bool = True,
+                 fp8: fp8_lib.DelayedScaling | None = None, rngs: nnx.Rngs):
         self.dtype = dtype
         init = kernel_init or jax.nn.initializers.lecun_normal()
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), F32))
         self.bias = nnx.Param(jnp.zeros((out_features,), F32)) if use_bias else None
+        self.dot = None if fp8 is None else fp8_lib.DotGeneral(fp8)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(self.dtype) @ self.kernel[...].astype(self.dtype)
+        y = _matmul(self.dot, x.astype(self.dtype), self.kernel[...].astype(self.dtype), 0)
         if self.bias is None:
             return y
         return ops.bias_add(y, self.bias[...].astype(self.dtype))
@@ -90,13 +104,15 @@ class Embed(nnx.Module):
     output projection ``x @ table.T``."""
 
     def __init__(self, num_embeddings: int, features: int, *, dtype: Any = F32,
-                 stddev: float = 0.02, rngs: nnx.Rngs):
+                 stddev: float = 0.02, fp8: fp8_lib.DelayedScaling | None = None,
+                 rngs: nnx.Rngs):
         self.dtype = dtype
         init = jax.nn.initializers.normal(stddev)
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), F32))
+        self.dot = None if fp8 is None else fp8_lib.DotGeneral(fp8)  # for attend
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return ops.embed_lookup(self.embedding[...].astype(self.dtype), ids)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return x.astype(self.dtype) @ self.embedding[...].astype(self.dtype).T
+        return _matmul(self.dot, x.astype(self.dtype), self.embedding[...].astype(self.dtype), 1)

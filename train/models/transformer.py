@@ -14,6 +14,10 @@ approximation.
   tied word embeddings plus a bias).
 * :class:`GPT`: pre-LN causal decoder (GPT-2) with learned positions, a final LayerNorm and the
   tied word embeddings as output projection. Byte-level (vocabulary 256) by default.
+
+``fp8=jaxamp.fp8.DelayedScaling(...)`` runs every matmul (the projections, the two attention
+matmuls, the tied output projection) in FP8 with delayed scaling, each with its own
+``jaxamp.fp8.Fp8Meta`` (in the model state of ``train.models.split``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxamp import fp8 as fp8_lib
 from jaxamp.ops import attention_softmax
 from jaxamp.ops import bias_add
 from jaxamp.ops import gelu
@@ -84,10 +89,10 @@ GPT_CONFIGS = {
 }
 
 
-def _linear(n_in: int, n_out: int, *, dtype: Any, rngs: nnx.Rngs,
-            stddev: float = 0.02) -> Dense:
+def _linear(n_in: int, n_out: int, *, dtype: Any, rngs: nnx.Rngs, stddev: float = 0.02,
+            fp8: fp8_lib.DelayedScaling | None = None) -> Dense:
     return Dense(n_in, n_out, dtype=dtype, kernel_init=jax.nn.initializers.normal(stddev),
-                 rngs=rngs)
+                 fp8=fp8, rngs=rngs)
 
 
 def causal_mask(length: int) -> jax.Array:
@@ -99,19 +104,22 @@ class SelfAttention(nnx.Module):
     """Multi-head self-attention with a fused QKV projection."""
 
     def __init__(self, width: int, heads: int, *, dtype: Any, rngs: nnx.Rngs,
-                 out_stddev: float = 0.02):
+                 out_stddev: float = 0.02, fp8: fp8_lib.DelayedScaling | None = None):
         self.heads = heads
-        self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs)
-        self.out = _linear(width, width, dtype=dtype, rngs=rngs, stddev=out_stddev)
+        self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs, fp8=fp8)
+        self.out = _linear(width, width, dtype=dtype, rngs=rngs, stddev=out_stddev, fp8=fp8)
+        # The two activation-by-activation matmuls, each with its own FP8 metadata.
+        self.scores = None if fp8 is None else fp8_lib.EinsumOp(fp8)
+        self.mix = None if fp8 is None else fp8_lib.EinsumOp(fp8)
 
     def __call__(self, x_BxLxD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         B, L, D = x_BxLxD.shape
         H = self.heads
         q, k, v = (t.reshape(B, L, H, D // H) for t in jnp.split(self.qkv(x_BxLxD), 3, -1))
-        scores_BxHxLxL = jnp.einsum("blhd,bmhd->bhlm", q, k)
+        scores_BxHxLxL = (self.scores or jnp.einsum)("blhd,bmhd->bhlm", q, k)
         # fp32 softmax; the probabilities come back in the compute dtype for the value matmul.
         probs_BxHxLxL = attention_softmax(scores_BxHxLxL, mask, scale=1.0 / math.sqrt(D // H))
-        att_BxLxD = jnp.einsum("bhlm,bmhd->blhd", probs_BxHxLxL, v).reshape(B, L, D)
+        att_BxLxD = (self.mix or jnp.einsum)("bhlm,bmhd->blhd", probs_BxHxLxL, v).reshape(B, L, D)
         return self.out(att_BxLxD)
 
 
@@ -119,14 +127,16 @@ class Block(nnx.Module):
     """Attention and feed-forward sublayers with residuals: pre-LN (GPT) or post-LN (BERT)."""
 
     def __init__(self, config: TransformerConfig, *, pre_norm: bool, dtype: Any,
-                 rngs: nnx.Rngs, out_stddev: float = 0.02):
+                 rngs: nnx.Rngs, out_stddev: float = 0.02,
+                 fp8: fp8_lib.DelayedScaling | None = None):
         c = config
         self.pre_norm = pre_norm
         self.attention = SelfAttention(c.width, c.heads, dtype=dtype, rngs=rngs,
-                                       out_stddev=out_stddev)
+                                       out_stddev=out_stddev, fp8=fp8)
         self.norm1 = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
-        self.mlp_in = _linear(c.width, c.mlp, dtype=dtype, rngs=rngs)
-        self.mlp_out = _linear(c.mlp, c.width, dtype=dtype, rngs=rngs, stddev=out_stddev)
+        self.mlp_in = _linear(c.width, c.mlp, dtype=dtype, rngs=rngs, fp8=fp8)
+        self.mlp_out = _linear(c.mlp, c.width, dtype=dtype, rngs=rngs, stddev=out_stddev,
+                               fp8=fp8)
         self.norm2 = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
 
     def _mlp(self, x: jax.Array) -> jax.Array:
@@ -156,18 +166,19 @@ class BertMLM(nnx.Module):
     position; the loss picks the masked ones.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: Any = F32, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: Any = F32,
+                 fp8: fp8_lib.DelayedScaling | None = None, rngs: nnx.Rngs):
         c = config
         self.config = config
         self.dtype = dtype
-        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, rngs=rngs)
+        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, fp8=fp8, rngs=rngs)
         self.position_embed = Embed(c.max_len, c.width, dtype=dtype, rngs=rngs)
         self.type_embed = (Embed(c.type_vocab, c.width, dtype=dtype, rngs=rngs)
                            if c.type_vocab else None)
         self.embed_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
-        self.layers = nnx.List([Block(c, pre_norm=False, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Block(c, pre_norm=False, dtype=dtype, rngs=rngs, fp8=fp8)
                                 for _ in range(c.depth)])
-        self.mlm_dense = _linear(c.width, c.width, dtype=dtype, rngs=rngs)
+        self.mlm_dense = _linear(c.width, c.width, dtype=dtype, rngs=rngs, fp8=fp8)
         self.mlm_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
         self.mlm_bias = nnx.Param(jnp.zeros((c.vocab,), F32))
 
@@ -197,16 +208,17 @@ class GPT(nnx.Module):
     sees tokens ``0..i``.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: Any = F32, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, *, dtype: Any = F32,
+                 fp8: fp8_lib.DelayedScaling | None = None, rngs: nnx.Rngs):
         c = config
         self.config = config
         self.dtype = dtype
         # GPT-2 scales the init of the projections that write to the residual stream.
         out_stddev = 0.02 / math.sqrt(2 * c.depth)
-        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, rngs=rngs)
+        self.token_embed = Embed(c.vocab, c.width, dtype=dtype, fp8=fp8, rngs=rngs)
         self.position_embed = Embed(c.max_len, c.width, dtype=dtype, stddev=0.01, rngs=rngs)
         self.layers = nnx.List([Block(c, pre_norm=True, dtype=dtype, rngs=rngs,
-                                      out_stddev=out_stddev) for _ in range(c.depth)])
+                                      out_stddev=out_stddev, fp8=fp8) for _ in range(c.depth)])
         self.final_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
 
     def __call__(self, tokens_BxL: jax.Array, *, logits_dtype: Any = F32) -> jax.Array:

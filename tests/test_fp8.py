@@ -1,0 +1,500 @@
+"""FP8 matmuls (``jaxamp.fp8``): the quantizer against ml_dtypes bit for bit, the matmul and its
+gradients against the dequantized reference, and the delayed-scaling metadata inside the train
+step (rolled, merged by max over micro-batches and devices, untouched by the loss scale and by
+a skipped step, checkpointed)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import linen
+from flax import nnx
+from helpers import assert_tree_bitwise_equal
+from helpers import bits
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+from jaxamp import fp8
+
+F32 = jnp.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+REFERENCE = {jnp.dtype(E4M3): ml_dtypes.float8_e4m3fn, jnp.dtype(E5M2): ml_dtypes.float8_e5m2}
+DIMS = (((1,), (0,)), ((), ()))
+
+
+# --------------------------------------------------------------------------------------------
+# The numpy/ml_dtypes reference
+# --------------------------------------------------------------------------------------------
+
+def ref_scale(amax, dtype, margin=0, previous=1.0):
+    amax = np.float32(amax)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        scale = np.float32(np.float32(ml_dtypes.finfo(REFERENCE[jnp.dtype(dtype)]).max) / amax)
+        scale = np.float32(scale / np.float32(2.0 ** margin))
+    ok = amax > 0 and np.isfinite(amax) and np.isfinite(scale)
+    return scale if ok else np.float32(previous)
+
+
+def ref_quantize(x, dtype, scale):
+    m = np.float32(ml_dtypes.finfo(REFERENCE[jnp.dtype(dtype)]).max)
+    return np.clip(np.asarray(x, np.float32) * np.float32(scale), -m, m).astype(
+        REFERENCE[jnp.dtype(dtype)])
+
+
+def ref_dequantized(x, dtype):
+    """``x`` as the FP8 matmul sees it, current scaling: quantized with its own amax, back in
+    float64."""
+    x = np.asarray(x, np.float32)
+    scale = ref_scale(np.abs(x).max(), dtype)
+    return ref_quantize(x, dtype, scale).astype(np.float64) / np.float64(scale)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("spread", [1.0, 1e3, 1e-4])
+def test_quantize_matches_ml_dtypes_bit_for_bit(dtype, spread):
+    rng = np.random.default_rng(0)
+    # Normal values, values past the format's max (saturation), and values far below its
+    # smallest normal (subnormals and underflow to zero) in one tensor.
+    x = np.concatenate([rng.normal(size=4000) * spread,
+                        rng.normal(size=500) * 1e6,
+                        rng.normal(size=2000) * float(jnp.finfo(dtype).smallest_normal)]
+                       ).astype(np.float32)
+    for scale in (1.0, 3.7, 2.0 ** -7):
+        got = jax.jit(fp8.quantize, static_argnums=1)(x, dtype, scale)
+        ref = ref_quantize(x, dtype, scale)
+        np.testing.assert_array_equal(bits(got), ref.view(np.uint8))
+    assert np.abs(ref_quantize(x, dtype, 1.0).astype(np.float32)).max() == fp8.fp8_max(dtype)
+    sub = ref_quantize(x, dtype, 1.0).astype(np.float32)
+    assert ((sub != 0) & (np.abs(sub) < float(jnp.finfo(dtype).smallest_normal))).any()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scale_matches_reference_bit_for_bit(dtype, margin):
+    amaxes = np.abs(np.random.default_rng(1).normal(size=200) * 10.0 ** np.linspace(-30, 30,
+                                                                                   200))
+    amaxes = amaxes.astype(np.float32)
+    got = np.asarray(fp8.compute_scale(amaxes, dtype, margin))
+    ref = np.array([ref_scale(a, dtype, margin) for a in amaxes], np.float32)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+@pytest.mark.parametrize("bad", [0.0, np.inf, np.nan, 1e-45], ids=["zero", "inf", "nan",
+                                                                    "subnormal"])
+def test_bad_amax_keeps_the_previous_scale(bad):
+    # A subnormal amax makes fp8_max / amax overflow fp32 (Transformer Engine #825).
+    assert float(fp8.compute_scale(jnp.float32(bad), E4M3, previous=7.5)) == 7.5
+    state = fp8.Fp8State(jnp.full((3, 2), bad, F32), jnp.array([3.0, 5.0, 7.0], F32),
+                         fp8.DelayedScaling(history_length=2, amax_algo="most_recent"))
+    new = fp8.update_fp8_state(state, jnp.array([bad, 2.0, bad], F32))
+    assert new.scale.tolist() == [3.0, 224.0, 7.0]
+
+
+# --------------------------------------------------------------------------------------------
+# The matmul, forward and backward, against the dequantized reference
+# --------------------------------------------------------------------------------------------
+
+def _data(shapes, seed=0, scales=None):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    scales = scales or [1.0] * len(shapes)
+    return [jax.random.normal(k, s, F32) * c for k, s, c in zip(keys, shapes, scales,
+                                                                  strict=True)]
+
+
+def test_current_scaling_dense_matches_the_dequantized_reference():
+    x, w, g = _data([(32, 64), (64, 16), (32, 16)], scales=[3.0, 0.05, 1e-3])
+    out, vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, DIMS), x, w)
+    dx, dw = vjp(g)
+    xr, wr, gr = ref_dequantized(x, E4M3), ref_dequantized(w, E4M3), ref_dequantized(g, E5M2)
+    # The same 8-bit values, accumulated in fp32 instead of float64: fp32 rounding only.
+    np.testing.assert_allclose(out, xr @ wr, rtol=1e-5, atol=1e-6 * np.abs(xr @ wr).max())
+    np.testing.assert_allclose(dx, gr @ wr.T, rtol=1e-5, atol=1e-6 * np.abs(gr @ wr.T).max())
+    np.testing.assert_allclose(dw, xr.T @ gr, rtol=1e-5, atol=1e-6 * np.abs(xr.T @ gr).max())
+    # And within FP8 tolerance of the exact fp32 matmul: e4m3 has 3 mantissa bits, e5m2 two.
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.abs(out - exact).max() < 0.1 * np.abs(exact).max()
+    exact_dw = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+    assert np.abs(dw - exact_dw).max() < 0.2 * np.abs(exact_dw).max()
+
+
+def test_delayed_scaling_dense_uses_the_states_scales():
+    x, w, g = _data([(8, 16), (16, 4), (8, 4)], seed=3)
+    scales = np.array([20.0, 100.0, 3000.0], np.float32)
+    state = fp8.Fp8State(jnp.zeros((3, 4), F32), jnp.asarray(scales),
+                         fp8.DelayedScaling(history_length=4))
+    out, vjp = jax.vjp(lambda a, b, s: fp8.delayed_dot_general(a, b, DIMS, s), x, w, state)
+    dx, dw, seen = vjp(g)
+    xr = ref_quantize(x, E4M3, scales[0]).astype(np.float64) / scales[0]
+    wr = ref_quantize(w, E4M3, scales[1]).astype(np.float64) / scales[1]
+    gr = ref_quantize(g, E5M2, scales[2]).astype(np.float64) / scales[2]
+    np.testing.assert_allclose(out, xr @ wr, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, gr @ wr.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, xr.T @ gr, rtol=1e-5, atol=1e-6)
+    # The cotangent of the state: the amax each tensor had, at the scale's place.
+    np.testing.assert_array_equal(seen.scale, [np.abs(x).max(), np.abs(w).max(),
+                                               np.abs(g).max()])
+    np.testing.assert_array_equal(seen.amax_history, np.zeros((3, 4)))
+
+
+@pytest.mark.parametrize("spec", ["blhd,bmhd->bhlm", "bhlm,bmhd->blhd", "ij,kj->ik",
+                                  "bij,bjk->bik"])
+def test_batched_and_transposed_contractions_match_the_reference(spec):
+    a_shape, b_shape = {"blhd,bmhd->bhlm": ((2, 5, 3, 4), (2, 6, 3, 4)),
+                        "bhlm,bmhd->blhd": ((2, 3, 5, 6), (2, 6, 3, 4)),
+                        "ij,kj->ik": ((5, 7), (3, 7)),
+                        "bij,bjk->bik": ((2, 5, 7), (2, 7, 3))}[spec]
+    a, b = _data([a_shape, b_shape], seed=5)
+
+    def fp8_einsum(x, y):
+        return jnp.einsum(spec, x, y, _dot_general=fp8.fp8_dot_general)
+    out, vjp = jax.vjp(fp8_einsum, a, b)
+    g = jax.random.normal(jax.random.key(9), out.shape)
+    da, db = vjp(g)
+    ar, br, gr = ref_dequantized(a, E4M3), ref_dequantized(b, E4M3), ref_dequantized(g, E5M2)
+    ref_out, ref_vjp = jax.vjp(lambda x, y: jnp.einsum(spec, x, y), jnp.asarray(ar, F32),
+                               jnp.asarray(br, F32))
+    ref_da, ref_db = ref_vjp(jnp.asarray(gr, F32))
+    for got, ref in ((out, ref_out), (da, ref_da), (db, ref_db)):
+        assert got.shape == ref.shape
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_keep_their_operands_dtypes_and_output_follows_preferred():
+    x, w = (t.astype(jnp.bfloat16) for t in _data([(4, 8), (8, 2)]))
+    out = fp8.fp8_dot_general(x, w, DIMS, preferred_element_type=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    dx, dw = jax.grad(lambda a, b: fp8.fp8_dot_general(a, b, DIMS).astype(F32).sum(),
+                      argnums=(0, 1))(x, w)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_saturation_never_hides_a_non_finite_value(where):
+    x, w = _data([(4, 8), (8, 2)])
+    if where == "forward":
+        x = x.at[0, 0].set(jnp.inf)
+        assert np.isnan(fp8.fp8_dot_general(x, w, DIMS)).all()
+    else:
+        _, vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, DIMS), x, w)
+        dx, dw = vjp(jnp.ones((4, 2)).at[1, 1].set(jnp.inf))
+        assert np.isnan(dx).all() and np.isnan(dw).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Autocast's mixed_fp8 and the audit
+# --------------------------------------------------------------------------------------------
+
+def test_mixed_fp8_autocast_runs_every_matmul_of_a_user_nnx_model_in_fp8():
+    from train.models import nnx_gpt
+    loss_fn, params = nnx_gpt.loss_and_params(width=32, depth=1, heads=2, max_len=16)
+    batch = {"tokens": jax.random.randint(jax.random.key(0), (2, 17), 0, 256)}
+    report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, "mixed_fp8"), params, batch)
+    assert report.fp8_matmul_share == 1.0
+    assert report.to_dict()["fp8_matmul_share"] == 1.0
+    assert "in FP8" in str(report) and "FP8 matmul FLOPs" in str(report)
+    # Everything else follows bf16: no fp32 matmul, no half-precision exp or sum.
+    assert report.fp32_matmul_share == 0.0 and report.half_sensitive_ops == []
+    bf16 = jaxamp.audit_grad(jaxamp.autocast(loss_fn, "mixed_bfloat16"), params, batch)
+    assert bf16.fp8_matmul_share == 0.0 and "FP8" not in str(bf16)
+
+
+def test_mixed_fp8_keeps_convolutions_in_bf16_and_linen_dense_in_fp8():
+    class Net(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            x = linen.Conv(4, (3, 3))(x)
+            return linen.Dense(3)(x.reshape(x.shape[0], -1))
+
+    x = jnp.ones((2, 6, 6, 1))
+    params = Net().init(jax.random.key(0), x)
+    report = jaxamp.audit(jaxamp.autocast(Net().apply, "mixed_fp8"), params, x)
+    kinds = {s.primitive: (s.lhs, s.rhs) for s in report.matmuls}
+    assert kinds["conv_general_dilated"] == ("bfloat16", "bfloat16")
+    assert kinds["dot_general"] == ("float8_e4m3fn", "float8_e4m3fn")
+
+
+def test_autocast_keeps_fp8_operands_and_output_for_backward_not_the_fp32_accumulator():
+    def f(w1, w2, x):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2) ** 2)
+    w1, w2, x = _data([(16, 64), (64, 16), (8, 16)])
+    saved = jaxamp.audit_grad(jaxamp.autocast(f, "mixed_fp8"), w1, w2, x,
+                              argnums=(0, 1)).saved_bytes_by_dtype
+    assert saved.get("float32", 0) <= 64  # the scales and amaxes: scalars
+    assert saved["float8_e4m3fn"] == 16 * 64 + 64 * 16 + 8 * 16 + 8 * 64
+
+
+def test_policy_preset():
+    p = jaxamp.get_policy("mixed_fp8")
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype, p.fp8) == (
+        jnp.float32, jnp.bfloat16, jnp.float32, True)
+    assert str(p) == "p=f32,c=bf16,o=f32,matmul=fp8"
+    assert p != jaxamp.get_policy("mixed_bfloat16")
+    assert "mixed_fp8" in jaxamp.PRESETS
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+def test_bad_recipes_and_formats_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown FP8 format 'e3m4'.*hybrid"):
+        fp8.DelayedScaling(format="e3m4")
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        fp8.CurrentScaling(format="fp8")
+    with pytest.raises(ValueError, match="history_length must be an int >= 1, got 0"):
+        fp8.DelayedScaling(history_length=0)
+    with pytest.raises(ValueError, match="unknown amax_algo 'mean'"):
+        fp8.DelayedScaling(amax_algo="mean")
+    with pytest.raises(ValueError, match="margin must be an int >= 0"):
+        fp8.CurrentScaling(margin=-1)
+    with pytest.raises(TypeError, match="delayed scaling keeps state"):
+        fp8.fp8_dot_general(jnp.ones((2, 2)), jnp.ones((2, 2)), DIMS,
+                            recipe=fp8.DelayedScaling())
+    with pytest.raises(TypeError, match="DelayedScaling recipe"):
+        fp8.DotGeneral(fp8.CurrentScaling())
+    with pytest.raises(TypeError, match="float16/bfloat16/float32"):
+        fp8.fp8_dot_general(jnp.ones((2, 2), jnp.int32), jnp.ones((2, 2)), DIMS)
+
+
+def test_fp8_asked_of_a_convolution_is_a_clear_error():
+    with pytest.raises(ValueError, match="'fp8' is for 'dot_general' only.*convolutions"):
+        jaxamp.autocast(lambda x: x, "mixed_fp8", rules={"conv_general_dilated": "fp8"})
+
+
+# --------------------------------------------------------------------------------------------
+# Delayed scaling in the train step
+# --------------------------------------------------------------------------------------------
+
+class MLP(nnx.Module):
+    def __init__(self, recipe, rngs):
+        self.l1 = fp8.Linear(8, 32, recipe=recipe, rngs=rngs)
+        self.l2 = nnx.Linear(32, 1, dot_general=fp8.DotGeneral(recipe), rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.nn.relu(self.l1(x)))
+
+
+def setup(policy="mixed_bfloat16", loss_scale=None, history=4, seed=0, **recipe):
+    recipe = fp8.DelayedScaling(history_length=history, **recipe)
+    graphdef, params, meta = nnx.split(MLP(recipe, nnx.Rngs(seed)), nnx.Param, fp8.Fp8Meta)
+
+    def loss_fn(params, batch, model_state):
+        model = nnx.merge(graphdef, params, model_state)
+        loss = jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+        return loss, nnx.state(model, fp8.Fp8Meta)
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), policy, loss_scale=loss_scale)
+    state = jaxamp.TrainState.create(params=params, tx=tx, model_state=meta)
+    return state, loss_fn
+
+
+def batch_of(seed=1, n=32, boost=None):
+    x = np.array(jax.random.normal(jax.random.key(seed), (n, 8)))
+    if boost is not None:  # one micro-batch (rows in ``boost``) with larger inputs
+        x[boost] *= 3.0
+    return {"x": jnp.asarray(x), "y": jnp.asarray(np.sin(x.sum(-1, keepdims=True)))}
+
+
+def states_of(state):
+    return fp8.find_fp8_states(jax.device_get(state.model_state))
+
+
+def test_the_history_rolls_over_five_steps_and_the_scale_follows_it():
+    state, loss_fn = setup(history=3)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    histories, inputs = [], []
+    for i in range(5):
+        batch = batch_of(seed=i)
+        inputs.append(np.abs(np.asarray(batch["x"].astype(jnp.bfloat16), np.float32)).max())
+        kernel = np.abs(np.asarray(state.params["l1"]["kernel"], np.float32)).max()
+        state, m = step(state, batch)
+        assert bool(m["grads_finite"])
+        first = states_of(state)[0]
+        # Row 0 is the first layer's input: the batch's amax; row 1 its kernel's.
+        assert float(first.amax_history[0, 0]) == inputs[-1]
+        assert float(first.amax_history[1, 0]) == kernel
+        histories.append(np.asarray(first.amax_history))
+        if i:  # the older entries moved one column right; the oldest fell off
+            np.testing.assert_array_equal(histories[i][:, 1:], histories[i - 1][:, :-1])
+        want = [float(fp8.compute_scale(first.amax_history[r].max(), d))
+                for r, d in enumerate((E4M3, E4M3, E5M2))]
+        assert first.scale.tolist() == want
+    assert histories[-1][0].tolist() == [inputs[4], inputs[3], inputs[2]]
+
+
+def test_most_recent_algo_and_margin():
+    state, loss_fn = setup(history=3, amax_algo="most_recent", margin=1)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    for i in range(3):
+        state, _ = step(state, batch_of(seed=i))
+    s = states_of(state)[0]
+    want = [float(fp8.compute_scale(s.amax_history[r, 0], d, margin=1))
+            for r, d in enumerate((E4M3, E4M3, E5M2))]
+    assert s.scale.tolist() == want
+
+
+def test_accumulation_takes_the_max_over_micro_batches_never_the_last_or_the_sum():
+    batch = batch_of(n=32, boost=slice(8, 16))  # micro-batch 1 of 4 has the largest inputs
+    state, loss_fn = setup()
+    accum = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True, accum_steps=4))
+    single = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    merged, _ = accum(state, batch)
+    seen = []
+    for k in range(4):
+        micro = jax.tree.map(lambda x, k=k: x[8 * k:8 * (k + 1)], batch)
+        alone, _ = single(state, micro)
+        seen.append([np.asarray(s.amax_history[:, 0]) for s in states_of(alone)])
+    for i, s in enumerate(states_of(merged)):
+        rows = np.stack([seen[k][i] for k in range(4)])
+        np.testing.assert_array_equal(s.amax_history[:, 0], rows.max(0))
+        assert not np.array_equal(rows.max(0), rows[-1])  # the last one would be wrong
+        assert not np.array_equal(rows.max(0), rows.sum(0))
+
+
+def test_pmap_and_sharded_jit_take_the_max_over_devices_and_agree():
+    n = jax.device_count()
+    batch = batch_of(n=4 * n, boost=slice(4, 8))
+    state, loss_fn = setup()
+    flags = dict(has_model_state=True)
+    pstep = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch", **flags),
+                     axis_name="batch")
+    pstate = jaxamp.replicate(state)
+    mesh = jax.make_mesh((n,), ("batch",))
+    jstep = jax.jit(jaxamp.make_train_step(loss_fn, **flags))
+    jstate = jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
+    single = jax.jit(jaxamp.make_train_step(loss_fn, **flags))
+    per_device = [states_of(single(state, jax.tree.map(lambda x, d=d: x[4 * d:4 * d + 4],
+                                                       batch))[0]) for d in range(n)]
+    for _ in range(3):
+        pstate, _ = pstep(pstate, jaxamp.shard_batch(batch))
+        jstate, _ = jstep(jstate, jaxamp.put_sharded(batch, jaxamp.batch_sharding(mesh)))
+        if _ == 0:
+            for i, s in enumerate(states_of(jstate)):
+                rows = np.stack([np.asarray(p[i].amax_history[:2, 0]) for p in per_device])
+                # The forward rows: the max over the devices' shards (the gradient rows are
+                # of the device-mean loss, so a shard's own run sees another gradient).
+                np.testing.assert_array_equal(s.amax_history[:2, 0], rows.max(0))
+    assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).model_state),
+                              jax.device_get(jstate.model_state))
+    assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).params),
+                              jax.device_get(jstate.params))
+
+
+def test_a_skipped_step_leaves_the_metadata_bit_identical():
+    state, loss_fn = setup(policy="mixed_float16")
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    state, m = step(state, batch_of())  # 2**16 overflows fp16: skipped
+    state, m = step(state, batch_of())  # skipped again at 2**15
+    while not bool(m["grads_finite"]):
+        state, m = step(state, batch_of())
+    state, m = step(state, batch_of(seed=2))
+    assert bool(m["grads_finite"]) and states_of(state)[0].amax_history[0, 1] > 0
+    before = jax.device_get(state.model_state)
+    poisoned = batch_of(seed=3)
+    poisoned["y"] = poisoned["y"].at[0].set(jnp.inf)
+    after, m = step(state, poisoned)
+    assert not bool(m["grads_finite"])
+    assert_tree_bitwise_equal(before, jax.device_get(after.model_state))
+
+
+def _run(loss_scale, steps=5, policy="mixed_bfloat16"):
+    state, loss_fn = setup(policy=policy, loss_scale=loss_scale)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    for i in range(steps):
+        state, m = step(state, batch_of(seed=i))
+        assert bool(m["grads_finite"])
+    return jax.device_get(state)
+
+
+def test_the_loss_scale_leaves_the_fp8_metadata_and_the_training_unchanged():
+    plain = _run(jaxamp.StaticLossScale(1.0))
+    scaled = _run(jaxamp.StaticLossScale(2.0 ** 12))
+    assert_tree_bitwise_equal(plain.model_state, scaled.model_state)
+    assert_tree_bitwise_equal(plain.params, scaled.params)
+    assert float(states_of(plain)[0].amax_history[2, 0]) > 0
+
+
+def test_the_keras_21706_mistake_is_caught(monkeypatch):
+    """Dividing the FP8 metadata by the loss scale, as keras#21706's loss-scale optimizer did
+    (it unscaled every 'gradient', the metadata's too), breaks the invariance above."""
+    def unscale_everything(cotangent, loss_scale):
+        return cotangent.scale / jnp.asarray(loss_scale, F32)
+    monkeypatch.setattr(fp8, "seen_amax", unscale_everything)
+    plain = _run(jaxamp.StaticLossScale(1.0))
+    scaled = _run(jaxamp.StaticLossScale(2.0 ** 12))
+    with pytest.raises(AssertionError):
+        assert_tree_bitwise_equal(plain.model_state, scaled.model_state)
+
+
+def test_dynamic_fp16_loss_scaling_with_delayed_fp8_trains():
+    state, loss_fn = setup(policy="mixed_float16")
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    first = None
+    for i in range(40):
+        state, m = step(state, batch_of(seed=i % 4))
+        first = float(m["loss"]) if first is None else first
+    assert float(m["loss"]) < 0.5 * first
+    # The gradient row is in unscaled units whatever the loss scale (2**16 .. 2**14 here).
+    assert float(states_of(state)[1].amax_history[2, 0]) < 1.0
+
+
+def test_a_matmul_that_did_not_run_keeps_its_metadata():
+    recipe = fp8.DelayedScaling(history_length=2)
+    state = fp8.Fp8State(jnp.array([[1.0, 2.0]] * 3, F32), jnp.array([4.0, 5.0, 6.0], F32),
+                         recipe)
+    assert_tree_bitwise_equal(fp8.update_fp8_state(state, jnp.zeros(3)), state)
+
+
+def test_checkpoint_restore_then_training_equals_an_uninterrupted_run(tmp_path):
+    state, loss_fn = setup()
+    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True))
+    straight = state
+    for i in range(6):
+        straight, _ = step(straight, batch_of(seed=i))
+    mid = state
+    for i in range(3):
+        mid, _ = step(mid, batch_of(seed=i))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.fspath(tmp_path / "mid"), mid)
+    with ocp.StandardCheckpointer() as ckpt:
+        resumed = ckpt.restore(os.fspath(tmp_path / "mid"), state)
+    assert_tree_bitwise_equal(jax.device_get(mid.model_state), resumed.model_state)
+    for i in range(3, 6):
+        resumed, _ = step(resumed, batch_of(seed=i))
+    assert_tree_bitwise_equal(jax.device_get(straight), jax.device_get(resumed))
+
+
+def test_metadata_outside_the_model_state_is_a_clear_error():
+    recipe = fp8.DelayedScaling(history_length=2)
+    model = MLP(recipe, nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, batch):
+        out = nnx.merge(graphdef, params, rest)(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2)
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    with pytest.raises(ValueError, match="Fp8State is not in the train state's model state"):
+        jaxamp.make_train_step(loss_fn)(state, batch_of())
+
+
+def test_nnx_einsum_and_einsum_op_record_their_own_metadata():
+    recipe = fp8.DelayedScaling(history_length=2)
+    layer = fp8.Einsum("bd,dhk->bhk", (8, 2, 4), recipe=recipe, rngs=nnx.Rngs(0))
+    op = fp8.EinsumOp(recipe)
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    graphdef, params, meta = nnx.split((layer, op), nnx.Param, fp8.Fp8Meta)
+
+    def loss(params, meta):
+        layer, op = nnx.merge(graphdef, params, meta)
+        y = layer(x)
+        return jnp.sum(op("bhk,bhk->bh", y, y))
+    _, seen = jax.grad(loss, argnums=(0, 1))(params, meta)
+    amaxes = [s.scale for s in fp8.find_fp8_states(seen)]
+    assert len(amaxes) == 2 and all(float(a.min()) > 0 for a in amaxes)
+    assert float(amaxes[0][0]) == float(jnp.abs(x).max())
