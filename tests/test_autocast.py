@@ -459,8 +459,10 @@ def test_vmap_of_an_autocast_function():
 
 @pytest.mark.parametrize("call,error,words", [
     (lambda: jaxamp.autocast(3), TypeError, ["autocast needs a callable fn", "int"]),
+    (lambda: jaxamp.autocast(jnp.sin, rules={"exp": "fp4"}), ValueError,
+     ["unknown autocast rule 'fp4'", "'exp'", "compute, float32, promote, original, fp8"]),
     (lambda: jaxamp.autocast(jnp.sin, rules={"exp": "fp8"}), ValueError,
-     ["unknown autocast rule 'fp8'", "'exp'", "compute, float32, promote, original"]),
+     ["rule 'fp8' is for 'dot_general' only", "'exp'"]),
     (lambda: jaxamp.autocast(jnp.sin, rules={"Exp!": "compute"}), ValueError,
      ["primitive names", "'Exp!'"]),
     (lambda: jaxamp.autocast(jnp.sin, rules=["exp"]), TypeError, ["rules must be a dict"]),
