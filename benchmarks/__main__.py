@@ -12,6 +12,7 @@ from benchmarks import autocast
 from benchmarks import autocast_step
 from benchmarks import cpu_dtypes
 from benchmarks import cpu_flags
+from benchmarks import fp8
 from benchmarks import gpu
 from benchmarks import layout
 from benchmarks import long_fp16
@@ -25,7 +26,7 @@ from benchmarks import zero
 SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
           "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
           "autocast": autocast, "autocast_step": autocast_step, "zero": zero,
-          "step_memory": step_memory, "master_numerics": master_numerics}
+          "step_memory": step_memory, "master_numerics": master_numerics, "fp8": fp8}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 
 

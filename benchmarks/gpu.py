@@ -30,6 +30,10 @@ first, so that a timeout cuts the least):
   bytes of state per param against 14); ``mixed_bfloat16_stochastic`` (BERT-Large only):
   ``master="stochastic"`` and bf16 moments (6 bytes): their peak memory against
   ``mixed_bfloat16``'s is the whole step's saving;
+* ``mixed_fp8_current`` and ``mixed_fp8_delayed`` (BERT-Large only): every matmul in FP8 (e4m3
+  forward, e5m2 gradients), through ``make_train_step(autocast=True)`` under the ``mixed_fp8``
+  policy (current scaling), or with the model built from ``jaxamp.fp8``'s delayed-scaling layers;
+  their MFU is quoted against the FP8 peak (1,979 TFLOP/s dense on an H100/H200);
 * ``torch_amp_bf16``, ``torch_amp_fp16``, ``torch_compile_bf16`` (ResNet-50 only):
   torchvision's ResNet-50 under ``torch.autocast``, eager with ``torch.optim.AdamW``'s defaults,
   and one row under ``torch.compile``.
@@ -71,10 +75,10 @@ SUITE = "gpu"
 WARMUP = 2  # untimed steps after the compile
 ROWS_FILE, RUNS_FILE = "gpu.jsonl", "gpu_runs.jsonl"
 
-# Dense datasheet peaks (FLOP/s) of the H100 and H200 SXM, which share the chip: bf16 and fp16
-# tensor cores, TF32 tensor cores, and fp32 without tensor cores.
-DATASHEET = {kind: {"bfloat16": 989e12, "float16": 989e12, "tf32": 494e12, "float32": 67e12}
-             for kind in ("H100", "H200")}
+# Dense datasheet peaks (FLOP/s) of the H100 and H200 SXM, which share the chip: FP8, bf16 and
+# fp16 tensor cores, TF32 tensor cores, and fp32 without tensor cores.
+DATASHEET = {kind: {"float8": 1979e12, "bfloat16": 989e12, "float16": 989e12, "tf32": 494e12,
+                    "float32": 67e12} for kind in ("H100", "H200")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +90,12 @@ class Precision:
     policy: str | None = None  # the jaxamp policy (None: torch)
     matmul_precision: str | None = None  # jax.default_matmul_precision(...); None: untouched
     skip: str | None = None  # mixed_precision(skip=...)
-    peak: str = "bfloat16"  # the dtype of the matmuls: bfloat16, float16, float32
+    peak: str = "bfloat16"  # the dtype of the matmuls: float8, bfloat16, float16, float32
     torch_compile: bool = False
     zero: int = 0  # 0: one device, as the user jits it; 3: state_sharding(params="sharded")
     master: str = "float32"  # mixed_precision(master=...)
     moments_dtype: str | None = None  # mixed_precision(moments_dtype=...)
+    fp8_recipe: str | None = None  # "delayed": the model built with jaxamp.fp8's layers
 
 
 PRECISIONS = {
@@ -119,6 +124,13 @@ PRECISIONS = {
                                            "moments (6 bytes per param), skip='auto'", "jaxamp",
                                            "mixed_bfloat16", skip="auto", master="stochastic",
                                            moments_dtype="bfloat16"),
+    "mixed_fp8_current": Precision("jaxamp mixed_fp8 through make_train_step(autocast=True): "
+                                   "every matmul in FP8, current scaling, skip='auto'",
+                                   "autocast", "mixed_fp8", skip="auto", peak="float8"),
+    "mixed_fp8_delayed": Precision("jaxamp mixed_fp8 with delayed scaling: the model built "
+                                   "with jaxamp.fp8 layers (amax history 1024), skip='auto'",
+                                   "jaxamp", "mixed_fp8", skip="auto", peak="float8",
+                                   fp8_recipe="delayed"),
     "torch_amp_bf16": Precision("PyTorch eager, torch.autocast(bfloat16), AdamW defaults",
                                 "torch"),
     "torch_amp_fp16": Precision("PyTorch eager, torch.autocast(float16) + GradScaler, AdamW "
@@ -132,16 +144,16 @@ MODEL_PRECISIONS = {  # in the order they run: what matters most first, torch.co
     "resnet50": ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "torch_amp_bf16",
                  "fp32_default", "mixed_float16", "torch_amp_fp16", "fp32_highest",
                  "mixed_bfloat16_kahan", "torch_compile_bf16"),
-    "bert_large": _JAX + ("mixed_bfloat16_zero3", "mixed_bfloat16_kahan",
-                          "mixed_bfloat16_stochastic"),
+    "bert_large": ("mixed_bfloat16", "mixed_fp8_current", "mixed_fp8_delayed", *_JAX[1:],
+                   "mixed_bfloat16_zero3", "mixed_bfloat16_kahan", "mixed_bfloat16_stochastic"),
     "nnx_gpt": ("autocast_bf16", "fp32_default"),
 }
 UNITS = {"image": "img/s", "text": "seq/s", "lm": "seq/s"}
 # The columns of gpu.md, in order (gpu.jsonl holds these and more).
 COLUMNS = ["model", "precision", "batch", "step_ms", "per_s", "unit", "time_vs_bare_bf16",
            "vs_fp32_highest", "vs_fp32_default", "jaxamp_vs_torch", "tflops", "mfu_measured",
-           "mfu_datasheet", "xla_tflops", "mem_gb", "live_peak_gb", "skipped_steps",
-           "matmul_precision", "compile_s", "error"]
+           "mfu_datasheet", "vs_mixed_bf16", "fp8_share", "xla_tflops", "mem_gb",
+           "live_peak_gb", "skipped_steps", "matmul_precision", "compile_s", "error"]
 
 
 def _names(choices) -> Callable[[str], list[str]]:
@@ -223,14 +235,21 @@ def _init(case: dict, tiny: bool) -> tuple[Any, Any]:
     return jax.jit(init).lower().compile(harness.tiny_compiler_options(tiny))()
 
 
-def _loss(case: dict, graphdef) -> tuple[Callable, dict]:
-    """``(loss_fn, make_train_step keywords)`` of the model's family."""
+def _loss(case: dict, graphdef, fp8_state: bool = False) -> tuple[Callable, dict]:
+    """``(loss_fn, make_train_step keywords)`` of the model's family; ``fp8_state``: the model
+    keeps FP8 metadata in its model state."""
     from train import models
     if case["kind"] == "image":
         return models.classification_loss(graphdef), dict(has_aux=True, has_model_state=True)
     if case["kind"] == "text":
-        return models.mlm_loss(graphdef), dict(has_aux=True)
-    return models.lm_loss(graphdef), dict(has_aux=True)
+        return (models.mlm_loss(graphdef, has_model_state=fp8_state),
+                dict(has_aux=True, has_model_state=fp8_state))
+    return (models.lm_loss(graphdef, has_model_state=fp8_state),
+            dict(has_aux=True, has_model_state=fp8_state))
+
+
+def _fp8_recipe(prec: Precision):
+    return jaxamp.fp8.DelayedScaling() if prec.fp8_recipe == "delayed" else None
 
 
 @dataclasses.dataclass
@@ -246,9 +265,14 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     from flax import nnx
 
     from train import models
-    abstract = nnx.eval_shape(lambda: models.build(case["model"], prec.policy, **case["kw"]))
+    recipe = _fp8_recipe(prec)
+    abstract = nnx.eval_shape(lambda: models.build(case["model"], prec.policy, fp8=recipe,
+                                                   **case["kw"]))
     graphdef = models.split(abstract)[0]
-    loss_fn, keywords = _loss(case, graphdef)
+    if recipe is not None:  # the FP8 metadata, fresh (the init of everything else is dropped)
+        model_state = jax.jit(lambda: models.split(models.build(
+            case["model"], prec.policy, fp8=recipe, **case["kw"]))[2])()
+    loss_fn, keywords = _loss(case, graphdef, fp8_state=recipe is not None)
     has_model_state = keywords.get("has_model_state", False)
     policy = jaxamp.get_policy(prec.policy)
     working = jax.eval_shape(policy.cast_params_to_compute, params)  # the audit traces it
@@ -375,11 +399,16 @@ def _peak_key(prec: Precision) -> str:
 def measure_matmul_peak(dtype_name: str, matmul_precision: str | None, n: int,
                         reps: int) -> float:
     """FLOP/s of an ``n``-cubed matmul in ``dtype_name``, the best of three runs of ``reps``."""
-    dtype = jnp.dtype(dtype_name)
+    # FP8: e4m3 operands into a bf16 result (an FP8 tensor-core GEMM).
+    fp8 = dtype_name == "float8"
+    dtype = jnp.dtype(jnp.float8_e4m3fn if fp8 else dtype_name)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+
+    def matmul(x, y):
+        return jnp.matmul(x, y, preferred_element_type=jnp.bfloat16 if fp8 else None)
     with _precision_context(matmul_precision):
-        f = jax.jit(lambda x, y: x @ y).lower(a, b).compile(
+        f = jax.jit(matmul).lower(a, b).compile(
             harness.tiny_compiler_options(jax.default_backend() == "cpu"))
     jax.block_until_ready(f(a, b))
     best = math.inf
@@ -460,6 +489,18 @@ class Context:
         return self.flops_cache[key]
 
 
+
+def fp8_share(built: Built) -> float | None:
+    """The share of the loss's matmul FLOPs that run in FP8 (``jaxamp.audit_grad``)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return jaxamp.audit_grad(built.audited, built.working, built.batch).fp8_matmul_share
+    except Exception as e:
+        print(f"  FP8 share: {error_text(e)}", flush=True)
+        return None
+
+
 def _timed_steps(args, one_step_s: float) -> int:
     if args.tiny:
         return 3
@@ -482,6 +523,7 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
         compiled = lowered.compile(ctx.compiler_options)
         compile_s = time.perf_counter() - t0
     flops = ctx.trace_flops(model, prec, built)
+    share = fp8_share(built) if prec.peak == "float8" else None
     batch, state = built.batch, built.state
     del built
     peak_before = _live_peak()
@@ -508,6 +550,8 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
            "loss": float(metrics["loss"]),
            "skipped_steps": None if skipped is None else int(skipped),
            "matmul_precision": effective, "dot_precision": dots}
+    if share is not None:
+        row["fp8_share"] = share
     del state, metrics, compiled
     return row
 
@@ -771,6 +815,7 @@ def add_ratios(rows: list[dict]) -> None:
     for r in rows:
         r["vs_fp32_highest"] = r["vs_fp32_default"] = None
         r["time_vs_bare_bf16"] = r["jaxamp_vs_torch"] = r["time_vs_cond"] = None
+        r["vs_mixed_bf16"] = None
         if not r.get("per_s"):
             continue
         if PRECISIONS.get(r["precision"], PRECISIONS["torch_amp_bf16"]).kind == "torch":
@@ -786,6 +831,8 @@ def add_ratios(rows: list[dict]) -> None:
         cond = find(r["model"], "mixed_bfloat16")
         if r["precision"] == "mixed_bfloat16_select" and cond is not None:
             r["time_vs_cond"] = r["step_ms"] / cond["step_ms"]
+        if r["precision"].startswith("mixed_fp8") and cond is not None:
+            r["vs_mixed_bf16"] = r["per_s"] / cond["per_s"]  # FP8's speedup (goal >= 1.3)
 
 
 def header(runs: list[dict]) -> str:
@@ -814,9 +861,10 @@ def header(runs: list[dict]) -> str:
         "every backend); torch rows: `torch.utils.flop_counter` on one eager step. `xla_tflops`: "
         "XLA's `cost_analysis()` figure where it gave one; on a GPU it leaves out the "
         "cuBLAS/cuDNN custom calls, so it is no MFU numerator.",
-        "- MFU: `mfu_measured` against the measured matmul peak of the row's kind (bf16, fp16, "
-        "or fp32 under the row's matmul precision); `mfu_datasheet` against the H100/H200 "
-        "dense datasheet: 989 TFLOP/s bf16/fp16, 494 TF32, 67 fp32 (fp32 rows: TF32 only where "
+        "- MFU: `mfu_measured` against the measured matmul peak of the row's kind (FP8, bf16, "
+        "fp16, or fp32 under the row's matmul precision); `mfu_datasheet` against the H100/H200 "
+        "dense datasheet: 1,979 TFLOP/s FP8, 989 bf16/fp16, 494 TF32, 67 fp32 (fp32 rows: TF32 "
+        "only where "
         "the measured fp32 matmul ran faster than fp32 can, `peak_datasheet` in the JSON says "
         "which). fp32 rows are never divided by a bf16 peak.",
         "- Memory: `mem_gb` is the compiled step's arguments + outputs - aliased (donated) + "
@@ -831,6 +879,8 @@ def header(runs: list[dict]) -> str:
         "- torch: eager (one row under `torch.compile`), `torch.optim.AdamW` with its defaults, "
         "channels_last, `torch.backends.cudnn.benchmark = True`, in the same process as JAX "
         "(which holds its preallocated pool).",
+        "- `vs_mixed_bf16` (FP8 rows): throughput over the `mixed_bfloat16` row of the same "
+        "model; `fp8_share`: the share of the matmul FLOPs in FP8 (`jaxamp.audit_grad`).\n"
         "- `time_vs_bare_bf16`: step time over the bare bf16 step of the same model (jaxamp's "
         "overhead); `vs_fp32_*`: throughput over the fp32 rows; `jaxamp_vs_torch`: jaxamp's "
         "throughput over torch's at the same dtype; the JSON's `time_vs_cond` is "

@@ -77,11 +77,11 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import source_info_util
 
+from jaxamp import fp8
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
 from jaxamp._tree import is_floating_array
-from jaxamp import fp8
 from jaxamp.fp8 import fp8_dot_general
 from jaxamp.policy import get_policy
 

@@ -354,7 +354,9 @@ class Fp8State:
     Attributes:
       amax_history: ``(..., 3, history_length)`` fp32, the latest step's ``amax`` in column 0
         (the gradient's in the units of the unscaled gradient); zeros before the first step.
-      scale: ``(..., 3)`` fp32, the scales the next step quantizes with (ones at first).
+      scale: ``(..., 3)`` fp32, the scales the next step quantizes with. Ones at first, unused:
+        while a row's history is empty (before its first step) the tensor is scaled by its
+        own amax, as in current scaling, not by 1.
       recipe: the :class:`DelayedScaling` (static).
 
     >>> s = Fp8State.create(DelayedScaling(history_length=4))
@@ -379,16 +381,27 @@ def _delayed(lhs, rhs, state: Fp8State, dims, out_dtype):
     return _delayed_fwd(lhs, rhs, state, dims, out_dtype)[0]
 
 
+def _delayed_scale(state: Fp8State, row: int, x, dtype):
+    """The state's scale for ``row``; before the row's first amax (an empty history, which
+    would leave the scale at 1), ``x``'s own, as in current scaling."""
+    fresh = jnp.max(state.amax_history[row]) == 0
+    return jnp.where(fresh, compute_scale(amax(x), dtype, state.recipe.margin), state.scale[row])
+
+
 def _delayed_fwd(lhs, rhs, state, dims, out_dtype):
     fwd_dtype = state.recipe.dtypes[0]
-    out, res = _forward(lhs, rhs, dims, out_dtype, fwd_dtype, state.scale[0], state.scale[1])
+    out, res = _forward(lhs, rhs, dims, out_dtype, fwd_dtype,
+                        _delayed_scale(state, 0, lhs, fwd_dtype),
+                        _delayed_scale(state, 1, rhs, fwd_dtype))
     return out, (res, state)
 
 
 def _delayed_bwd(dims, out_dtype, res, g):
     del out_dtype
     res, state = res
-    d_lhs, d_rhs, a_grad = _backward(dims, state.recipe.dtypes[1], res, g, state.scale[2])
+    bwd_dtype = state.recipe.dtypes[1]
+    d_lhs, d_rhs, a_grad = _backward(dims, bwd_dtype, res, g,
+                                     _delayed_scale(state, 2, g, bwd_dtype))
     a_lhs, a_rhs = res[4], res[5]
     # The cotangent of the state: the amax this step saw at the scale's place (the step merges
     # these by max and rolls them into the history), nothing at the history's.
@@ -491,7 +504,7 @@ def with_loss_scale(state: Fp8State, loss_scale: ArrayLike) -> Fp8State:
     """The state a scaled loss's backward pass quantizes with: the gradient's scale divided by
     the loss scale (its ``amax`` is kept unscaled)."""
     s = jnp.asarray(loss_scale, _F32)
-    return state.replace(scale=state.scale.at[..., 2].divide(s))
+    return Fp8State(state.amax_history, state.scale.at[..., 2].divide(s), state.recipe)
 
 
 def seen_amax(cotangent: Fp8State, loss_scale: ArrayLike) -> jax.Array:
@@ -523,8 +536,10 @@ class DotGeneral(nnx.Module):
     >>> from flax import nnx
     >>> layer = nnx.Linear(4, 2, dot_general=DotGeneral(DelayedScaling(history_length=8)),
     ...                    rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((3, 4))).shape, nnx.state(layer, Fp8Meta)['dot_general']['fp8'].get_value().amax_history.shape
-    ((3, 2), (3, 8))
+    >>> layer(jnp.ones((3, 4))).shape
+    (3, 2)
+    >>> [s.amax_history.shape for s in find_fp8_states(nnx.state(layer, Fp8Meta))]
+    [(3, 8)]
     """
 
     def __init__(self, recipe: DelayedScaling = DelayedScaling()):

@@ -11,7 +11,7 @@ import pytest
 from helpers import ROOT
 
 EXAMPLES = pathlib.Path(ROOT) / "examples"
-NAMES = ["linen_trainstate", "mlp_digits", "nnx_optimizer", "promotion_trap"]
+NAMES = ["fp8_nnx", "linen_trainstate", "mlp_digits", "nnx_optimizer", "promotion_trap"]
 
 
 def _load(name):
@@ -64,6 +64,16 @@ def test_nnx_optimizer_keeps_bf16_working_params_and_an_fp32_master():
     assert out["working_is_rounded_master"]
     assert out["output_dtype"] == "bfloat16"
     assert out["skipped_steps"] == 0
+
+
+def test_fp8_example_trains_with_both_recipes_every_matmul_in_fp8():
+    out = _load("fp8_nnx").main(steps=100)
+    for recipe in ("current", "delayed"):
+        figures = out[recipe]
+        assert figures["last_loss"] < 0.1 * figures["first_loss"]
+        assert figures["fp8_share"] == 1.0 and figures["skipped_steps"] == 0
+    assert out["current"]["fp8_states"] == 0 and out["delayed"]["fp8_states"] == 2
+    assert all(a > 0 for a in out["delayed"]["input_amax_history"])  # it rolled
 
 
 def test_promotion_trap_shows_the_fp32_matmuls_and_their_fix():

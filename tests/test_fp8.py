@@ -126,7 +126,7 @@ def test_current_scaling_dense_matches_the_dequantized_reference():
 def test_delayed_scaling_dense_uses_the_states_scales():
     x, w, g = _data([(8, 16), (16, 4), (8, 4)], seed=3)
     scales = np.array([20.0, 100.0, 3000.0], np.float32)
-    state = fp8.Fp8State(jnp.zeros((3, 4), F32), jnp.asarray(scales),
+    state = fp8.Fp8State(jnp.ones((3, 4), F32), jnp.asarray(scales),
                          fp8.DelayedScaling(history_length=4))
     out, vjp = jax.vjp(lambda a, b, s: fp8.delayed_dot_general(a, b, DIMS, s), x, w, state)
     dx, dw, seen = vjp(g)
@@ -140,6 +140,16 @@ def test_delayed_scaling_dense_uses_the_states_scales():
     np.testing.assert_array_equal(seen.scale, [np.abs(x).max(), np.abs(w).max(),
                                                np.abs(g).max()])
     np.testing.assert_array_equal(seen.amax_history, np.zeros((3, 4)))
+
+
+def test_an_empty_history_scales_by_the_tensors_own_amax_not_by_one():
+    x, w, g = _data([(8, 16), (16, 4), (8, 4)], seed=4, scales=[1.0, 0.01, 1e-6])
+    fresh = fp8.Fp8State.create(fp8.DelayedScaling(history_length=4))
+    out, vjp = jax.vjp(lambda a, b: fp8.delayed_dot_general(a, b, DIMS, fresh), x, w)
+    current, current_vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, DIMS), x, w)
+    assert_tree_bitwise_equal((out, vjp(g)), (current, current_vjp(g)))
+    # Scale 1 would flush these gradients (1e-6, below e5m2's smallest subnormal) to zero.
+    assert float(jnp.abs(vjp(g)[0]).max()) > 0
 
 
 @pytest.mark.parametrize("spec", ["blhd,bmhd->bhlm", "bhlm,bmhd->blhd", "ij,kj->ik",
@@ -373,12 +383,11 @@ def test_pmap_and_sharded_jit_take_the_max_over_devices_and_agree():
     for _ in range(3):
         pstate, _ = pstep(pstate, jaxamp.shard_batch(batch))
         jstate, _ = jstep(jstate, jaxamp.put_sharded(batch, jaxamp.batch_sharding(mesh)))
-        if _ == 0:
+        if _ == 0:  # each device's amax is its shard's, as one device would see it alone
             for i, s in enumerate(states_of(jstate)):
-                rows = np.stack([np.asarray(p[i].amax_history[:2, 0]) for p in per_device])
-                # The forward rows: the max over the devices' shards (the gradient rows are
-                # of the device-mean loss, so a shard's own run sees another gradient).
-                np.testing.assert_array_equal(s.amax_history[:2, 0], rows.max(0))
+                rows = np.stack([np.asarray(p[i].amax_history[:, 0]) for p in per_device])
+                np.testing.assert_array_equal(s.amax_history[:, 0], rows.max(0))
+                assert not np.array_equal(rows.max(0), rows[0])
     assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).model_state),
                               jax.device_get(jstate.model_state))
     assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).params),

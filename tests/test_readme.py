@@ -26,7 +26,7 @@ def test_readme_starts_with_the_two_commands():
 
 def test_readme_autocast_quickstart_runs():
     blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-              if "autocast=True" in b]
+              if "autocast=True" in b and "jaxamp.fp8" not in b]
     assert len(blocks) == 1, "README.md has no autocast quickstart"
     namespace: dict = {}
     exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
@@ -51,3 +51,16 @@ def test_readme_sharded_state_example_runs():
     master = jaxamp.find_state(state.opt_state).master_params["w1"]
     assert master.sharding.spec == jax.sharding.PartitionSpec(None, "batch")   # (64, 128)
     assert master.addressable_shards[0].data.shape == (64, 16)
+
+
+def test_readme_fp8_example_runs():
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+              if "jaxamp.fp8.Linear" in b]
+    assert len(blocks) == 1, "README.md has no FP8 example"
+    namespace: dict = {}
+    exec(compile(blocks[0], str(README), "exec"), namespace)  # noqa: S102
+    import jaxamp
+    state = namespace["state"]  # the delayed recipe's, after 10 steps
+    assert int(state.step) == 10 and bool(namespace["metrics"]["grads_finite"])
+    metas = jaxamp.fp8.find_fp8_states(state.model_state)
+    assert len(metas) == 2 and all(float(m.amax_history[0, 9]) > 0 for m in metas)

@@ -68,6 +68,11 @@ def parser() -> argparse.ArgumentParser:
                          "keeps amax histories in the model state (bert_* and gpt_* models)")
     ap.add_argument("--fp8-history", type=int, metavar="N",
                     help="with --fp8-recipe delayed: the amax history length (default 1024)")
+    ap.add_argument("--fp8-margin", type=int, metavar="M",
+                    help="with --fp8-recipe delayed: divide each scale by 2**M (default 0)")
+    ap.add_argument("--fp8-algo", choices=jaxamp.fp8.AMAX_ALGOS,
+                    help="with --fp8-recipe delayed: the scale follows the history's max "
+                         "(default) or its most recent amax")
     ap.add_argument("--loss-scale", choices=("auto", "dynamic", "static", "none"))
     ap.add_argument("--init-scale", type=float)
     ap.add_argument("--growth-interval", type=int)

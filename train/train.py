@@ -109,7 +109,7 @@ def check_fp8(config: Config) -> None:
                          f"{config.model!r} is convolutions: FP8 convolutions are not "
                          "supported. Use mixed_bfloat16 for a ResNet")
     if config.fp8_recipe == "delayed":
-        jaxamp.fp8.DelayedScaling(history_length=config.fp8_history)  # checks the length
+        fp8_recipe_of(config, jaxamp.get_policy(config.precision))  # checks the recipe
         if family not in ("bert", "gpt"):
             raise ValueError(f"fp8_recipe 'delayed' needs jaxamp.fp8's layers, which the "
                              f"bert_* and gpt_* models have and {config.model!r} does not; "
@@ -124,7 +124,8 @@ def uses_autocast(config: Config, policy: jaxamp.Policy) -> bool:
 def fp8_recipe_of(config: Config, policy: jaxamp.Policy) -> jaxamp.fp8.DelayedScaling | None:
     """The delayed-scaling recipe the model's layers are built with, or ``None``."""
     if policy.fp8 and config.fp8_recipe == "delayed":
-        return jaxamp.fp8.DelayedScaling(history_length=config.fp8_history)
+        return jaxamp.fp8.DelayedScaling(history_length=config.fp8_history,
+                                         margin=config.fp8_margin, amax_algo=config.fp8_algo)
     return None
 
 

@@ -109,6 +109,21 @@ def test_cpu_flags_suite_runs_each_flag_set_in_its_own_process(tiny_runs):
         assert abs(r["loss_vs_default"]) < 2e-2
 
 
+def test_fp8_suite_writes_parity_and_cost(tiny_runs):
+    out, _ = tiny_runs
+    parity = read_jsonl(out / "fp8_parity.jsonl")
+    assert [(r["seed"], r["precision"]) for r in parity] == [
+        (s, p) for s in (0, "mean") for p in ("bf16", "fp8_current", "fp8_delayed")]
+    for r in parity:
+        assert np.isfinite(r["eval_loss"]) and abs(r["vs_bf16"]) < 0.05
+    cost = {r["precision"]: r for r in read_jsonl(out / "fp8_cost.jsonl")}
+    assert cost["bf16"]["fp8_share"] == 0.0
+    assert cost["fp8_current"]["fp8_share"] == cost["fp8_delayed"]["fp8_share"] == 1.0
+    for r in cost.values():  # the same model: the same matmul FLOPs
+        assert r["matmul_gflop"] == cost["bf16"]["matmul_gflop"] and r["xla_gbytes"] > 0
+    assert cost["fp8_current"]["saved_by_dtype"]["float8_e4m3fn"] > 0
+
+
 def test_gpu_suite_at_a_tiny_size(tiny_runs):
     out, _ = tiny_runs
     rows = read_jsonl(out / "gpu.jsonl")
@@ -151,6 +166,14 @@ def test_gpu_suite_at_a_tiny_size(tiny_runs):
         kahan = by[(model, "mixed_bfloat16_kahan")]
         assert kahan["loss"] == pytest.approx(by[(model, "mixed_bfloat16")]["loss"], rel=1e-2)
     assert np.isfinite(by[("bert_large", "mixed_bfloat16_stochastic")]["loss"])
+    # FP8 rows: every matmul in FP8, the same model and steps as bf16 (close, not equal), MFU
+    # against the FP8 peak and the speedup over mixed_bfloat16.
+    for recipe in ("current", "delayed"):
+        row = by[("bert_large", f"mixed_fp8_{recipe}")]
+        assert row["fp8_share"] == 1.0 and row["peak_class"] == "float8/default"
+        assert row["loss"] == pytest.approx(by[("bert_large", "mixed_bfloat16")]["loss"],
+                                            rel=5e-2)
+        assert row["vs_mixed_bf16"] > 0
     assert by[("nnx_gpt", "autocast_bf16")]["vs_fp32_default"] > 0
     runs = read_jsonl(out / "gpu_runs.jsonl")
     assert len(runs) == 1 and runs[0]["jax"] == jax.__version__ and runs[0]["tiny"]

@@ -35,6 +35,8 @@ class Config:
     # jaxamp.fp8's delayed-scaling layers (amax histories in the model state; bert_*, gpt_*).
     fp8_recipe: str = "current"
     fp8_history: int = 1024
+    fp8_margin: int = 0  # delayed: each scale is divided by 2**fp8_margin
+    fp8_algo: str = "max"  # delayed: "max" of the amax history, or its "most_recent" entry
     loss_scale: str = "auto"  # auto | dynamic | static | none
     init_scale: float = 2.0**16
     growth_interval: int = 2000
