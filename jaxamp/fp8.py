@@ -243,15 +243,16 @@ def _poison(*amaxes) -> jax.Array:
     return jnp.where(finite, jnp.float32(1.0), jnp.float32(jnp.nan))
 
 
-def _scaled_dot(qx, qw, dims, denominator, poison, out_dtype):
+def _scaled_dot(qx, qw, dims, s_x, s_w, poison, out_dtype):
+    # One division per scale: their product may overflow fp32 (a gradient's scale is large).
     out = lax.dot_general(qx, qw, dims, preferred_element_type=_F32)
-    return (out / denominator * poison).astype(out_dtype)
+    return (out / s_x / s_w * poison).astype(out_dtype)
 
 
 def _forward(lhs, rhs, dims, out_dtype, fwd_dtype, s_lhs, s_rhs):
     a_lhs, a_rhs = amax(lhs), amax(rhs)
     q_lhs, q_rhs = quantize(lhs, fwd_dtype, s_lhs), quantize(rhs, fwd_dtype, s_rhs)
-    out = _scaled_dot(q_lhs, q_rhs, dims, s_lhs * s_rhs, _poison(a_lhs, a_rhs), out_dtype)
+    out = _scaled_dot(q_lhs, q_rhs, dims, s_lhs, s_rhs, _poison(a_lhs, a_rhs), out_dtype)
     # Named for a jax.checkpoint policy (autocast's recompute=True): keep the 8-bit operands
     # and the output in its own dtype, never the fp32 accumulator.
     res = checkpoint_name((q_lhs, q_rhs, s_lhs, s_rhs, a_lhs, a_rhs), RESIDUAL_NAME)
@@ -265,8 +266,8 @@ def _backward(dims, bwd_dtype, res, g, s_grad):
     a_grad = amax(g)
     q_g = quantize(g, bwd_dtype, s_grad)
     poison = _poison(a_grad)
-    d_lhs = _transpose_lhs(q_g, q_rhs, q_lhs.ndim, dims) / (s_grad * s_rhs) * poison
-    d_rhs = _transpose_rhs(q_g, q_lhs, q_rhs.ndim, dims) / (s_grad * s_lhs) * poison
+    d_lhs = _transpose_lhs(q_g, q_rhs, q_lhs.ndim, dims) / s_grad / s_rhs * poison
+    d_rhs = _transpose_rhs(q_g, q_lhs, q_rhs.ndim, dims) / s_grad / s_lhs * poison
     return d_lhs.astype(lhs_tag.dtype), d_rhs.astype(rhs_tag.dtype), a_grad
 
 

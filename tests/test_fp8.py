@@ -184,6 +184,17 @@ def test_gradients_keep_their_operands_dtypes_and_output_follows_preferred():
     assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
+def test_tiny_gradients_with_large_scales_do_not_overflow_to_zero():
+    # amax 1e-30: the gradient's scale is 5.7e34; times the kernel's it would overflow fp32.
+    x, w = _data([(4, 8), (8, 2)], scales=[1.0, 0.01])
+    g = jnp.full((4, 2), 1e-30, F32)
+    _, vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, DIMS), x, w)
+    dx, _ = vjp(g)
+    ref = ref_dequantized(g, E5M2) @ ref_dequantized(w, E4M3).T
+    assert np.all(np.abs(ref) > 0)
+    np.testing.assert_allclose(dx, ref, rtol=1e-5)
+
+
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_saturation_never_hides_a_non_finite_value(where):
     x, w = _data([(4, 8), (8, 2)])
