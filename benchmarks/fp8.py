@@ -1,7 +1,7 @@
 """Suite ``fp8``: FP8 training against bf16 on real data, the FP8 share of the matmuls, and what
 FP8 adds to the step.
 
-    python -m benchmarks fp8 [--seeds 3] [--steps 1500] [--tiny]
+    python -m benchmarks fp8 [--seeds 3] [--first-seed 0] [--steps 1500] [--tiny]
 
 Three tables:
 
@@ -34,6 +34,7 @@ VARIANTS = (("bf16", "mixed_bfloat16", "current"), ("fp8_current", "mixed_fp8", 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     parser.add_argument("--steps", type=int, default=1500, help="steps per run (default 1500)")
 
 
@@ -47,10 +48,10 @@ def _config(precision: str, recipe: str, tiny: bool = False, **kw):
                       checkpoint_every=10**9, **(TINY if tiny else {}), **kw)
 
 
-def _parity(steps: int, seeds: int, tiny: bool) -> list[dict]:
+def _parity(steps: int, seeds: range, tiny: bool) -> list[dict]:
     from train import train as train_lib
     rows, losses = [], {}
-    for seed in range(seeds):
+    for seed in seeds:
         base = None
         for name, precision, recipe in VARIANTS:
             with tempfile.TemporaryDirectory() as workdir:
@@ -117,7 +118,9 @@ def _share_and_cost(tiny: bool) -> list[dict]:
 
 def run(args) -> dict:
     tiny = args.tiny
-    parity = _parity(4 if tiny else args.steps, 1 if tiny else args.seeds, tiny)
+    first = getattr(args, "first_seed", 0)
+    parity = _parity(4 if tiny else args.steps,
+                     range(1) if tiny else range(first, first + args.seeds), tiny)
     harness.write_outputs(
         "fp8_parity", parity, ["seed", "precision", "eval_loss", "vs_bf16", "skipped_steps"],
         args.out, None,

@@ -575,6 +575,8 @@ class EinsumOp(nnx.Module):
         if len(operands) != 2:
             raise ValueError(f"an FP8 einsum takes two operands (one matmul), got "
                              f"{len(operands)} for {subscripts!r}")
+        # ``_dot_general`` is jnp.einsum's hook for another dot_general (flax's Linen
+        # attention and fp8_ops pass theirs the same way).
         return jnp.einsum(subscripts, *operands, preferred_element_type=preferred_element_type,
                           _dot_general=self._dot)
 
