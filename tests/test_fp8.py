@@ -225,6 +225,27 @@ def test_mixed_fp8_autocast_runs_every_matmul_of_a_user_nnx_model_in_fp8():
     assert bf16.fp8_matmul_share == 0.0 and "FP8" not in str(bf16)
 
 
+def test_an_equinox_mlp_trains_under_mixed_fp8_with_every_matmul_in_fp8():
+    import equinox as eqx
+    model = eqx.nn.MLP(in_size=8, out_size=1, width_size=32, depth=2, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss_fn(params, batch):
+        pred = jax.vmap(eqx.combine(params, static))(batch["x"])
+        return jnp.mean((pred.astype(F32) - batch["y"]) ** 2)
+    batch = batch_of()
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_fp8")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
+    losses = []
+    for _ in range(60):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.3 * losses[0] and int(m["skipped_steps"]) == 0
+    report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, "mixed_fp8"), state.params, batch)
+    assert report.fp8_matmul_share == 1.0
+
+
 def test_mixed_fp8_keeps_convolutions_in_bf16_and_linen_dense_in_fp8():
     class Net(linen.Module):
         @linen.compact
