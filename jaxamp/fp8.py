@@ -328,10 +328,10 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
     ``preferred_element_type`` (default: the operands' dtype), each gradient in its operand's
     dtype. ``precision`` and ``out_sharding`` are accepted for the signature and ignored.
 
-    >>> x, w = jnp.full((2, 3), 0.5), jnp.full((3, 4), 2.0)
+    >>> x, w = jnp.full((2, 3), 3.5), jnp.full((3, 4), 7.0)  # scales 128 and 64: exact
     >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
-    Array([[3., 3., 3., 3.],
-           [3., 3., 3., 3.]], dtype=float32)
+    Array([[73.5, 73.5, 73.5, 73.5],
+           [73.5, 73.5, 73.5, 73.5]], dtype=float32)
     """
     del precision, out_sharding
     if not isinstance(recipe, CurrentScaling):
