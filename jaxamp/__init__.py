@@ -47,6 +47,7 @@ from jaxamp.master_weights import next_working_params
 from jaxamp.master_weights import policy_of
 from jaxamp.master_weights import scale_loss
 from jaxamp.master_weights import working_params
+from jaxamp.overflow import OverflowEvent
 from jaxamp.overflow import OverflowReport
 from jaxamp.overflow import explain_overflow
 from jaxamp.parallel import batch_sharding
@@ -61,6 +62,7 @@ from jaxamp.policy import PRESETS
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
 from jaxamp.policy import resolve_auto
+from jaxamp.rounding import kahan_join
 from jaxamp.rounding import kahan_split
 from jaxamp.rounding import stochastic_round
 from jaxamp.train_step import TrainState
@@ -77,6 +79,7 @@ __all__ = (
     "LossScale",
     "MixedPrecisionState",
     "NoOpLossScale",
+    "OverflowEvent",
     "OverflowReport",
     "Policy",
     "StaticLossScale",
@@ -94,6 +97,7 @@ __all__ = (
     "get_master_params",
     "get_policy",
     "grad_stats",
+    "kahan_join",
     "kahan_split",
     "make_train_step",
     "mixed_precision",

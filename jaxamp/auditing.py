@@ -242,16 +242,29 @@ class AuditReport:
     """
 
     title: str
+    """The audited function's name, followed by ``(value and grad)`` for :func:`audit_grad`."""
     matmul_flops_by_operands: dict[str, float]
+    """Matmul and convolution FLOPs by operand dtypes: ``'bfloat16'`` when both operands are
+    bf16, ``'bfloat16 x float32'`` for a mixed pair."""
     matmul_flops_by_output: dict[str, float]
+    """Matmul and convolution FLOPs by output dtype."""
     fp32_matmuls: list[MatmulSite]
+    """Every matmul or convolution with an fp32 operand, largest FLOPs first."""
     half_sensitive_ops: list[OpSite]
+    """The precision-sensitive ops (exp, log, sums, ...) that run on a half-precision operand,
+    one entry per primitive, dtype, shape and source line."""
     saved_bytes_by_dtype: dict[str, int]
+    """Bytes of the activations saved for the backward pass, by dtype (arguments and
+    closed-over constants excluded)."""
     casts: dict[str, dict[str, float]]
+    """The casts (``convert_element_type``) by ``'source -> target'`` dtypes, each a dict of
+    ``'count'`` and ``'bytes'`` (read plus written)."""
     matmuls: list[MatmulSite]
+    """Every matmul and convolution, whatever its dtypes."""
 
     @property
     def total_matmul_flops(self) -> float:
+        """The FLOPs of all the matmuls and convolutions."""
         return float(sum(self.matmul_flops_by_operands.values()))
 
     def share(self, operands: str) -> float:
@@ -290,9 +303,12 @@ class AuditReport:
 
     @property
     def saved_bytes(self) -> int:
+        """The bytes saved for the backward pass, all dtypes together."""
         return int(sum(self.saved_bytes_by_dtype.values()))
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain Python (dicts, lists, numbers and strings), the derived totals
+        and shares included, for tests and logs."""
         return {
             "title": self.title,
             "total_matmul_flops": self.total_matmul_flops,

@@ -469,8 +469,8 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
                    for e in getattr(body, "jaxpr", body).eqns)
     if any(_jaxprs_in_params(eqn.params)) or eqn.primitive.name in _MATMULS:
         return False
-    if any(jax.dtypes.issubdtype(getattr(v.aval, "dtype", None), jax.dtypes.prng_key)
-           for v in (*eqn.invars, *eqn.outvars)):
+    dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
+    if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
         return False
     return ctx.rule(eqn, nested_stack(eqn, outer)) in ("float32", "promote")
 

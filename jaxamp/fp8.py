@@ -53,7 +53,8 @@ from jax.typing import DTypeLike
 
 __all__ = ["AMAX_ALGOS", "FORMATS", "CurrentScaling", "DelayedScaling", "DotGeneral",
            "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear", "amax", "compute_scale",
-           "dequantize", "fp8_dot_general", "fp8_max", "quantize", "update_fp8_state"]
+           "dequantize", "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize",
+           "update_fp8_state"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -93,7 +94,10 @@ class CurrentScaling:
     """
 
     format: str = "hybrid"
+    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default),
+    ``"e4m3"`` or ``"e5m2"``."""
     margin: int = 0
+    """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
 
     def __post_init__(self):
         _check_format(self.format)
@@ -124,9 +128,15 @@ class DelayedScaling:
     """
 
     history_length: int = 1024
+    """The number of past steps' ``amax`` kept for each tensor (default 1024)."""
     margin: int = 0
+    """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
     format: str = "hybrid"
+    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default),
+    ``"e4m3"`` or ``"e5m2"``."""
     amax_algo: str = "max"
+    """How a scale reads the history (one of :data:`AMAX_ALGOS`): ``"max"``, its maximum
+    (default), or ``"most_recent"``, the latest step's ``amax``."""
 
     def __post_init__(self):
         n = self.history_length
@@ -366,11 +376,19 @@ class Fp8State:
     """
 
     amax_history: jax.Array
+    """``(..., 3, history_length)`` fp32: the past steps' ``amax`` of the lhs, the rhs and the
+    unscaled gradient, the latest in column 0; zeros before the first step."""
     scale: jax.Array
+    """``(..., 3)`` fp32: the scales the next step quantizes the lhs, the rhs and the gradient
+    with (a row whose history is still empty uses its tensor's own ``amax`` instead)."""
     recipe: DelayedScaling = struct.field(pytree_node=False, default=DelayedScaling())
+    """The :class:`DelayedScaling` recipe (static: part of the treedef, not a leaf)."""
 
     @classmethod
     def create(cls, recipe: DelayedScaling = DelayedScaling()) -> Fp8State:
+        """The state of one matmul before its first step: a ``(3, history_length)`` history of
+        zeros and scales of 1. Raises ``TypeError`` unless ``recipe`` is a
+        :class:`DelayedScaling`."""
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"Fp8State needs a DelayedScaling recipe, got {recipe!r}")
         return cls(jnp.zeros((len(_ROWS), recipe.history_length), _F32),
@@ -548,6 +566,8 @@ class DotGeneral(nnx.Module):
             raise TypeError(f"DotGeneral takes a DelayedScaling recipe, got {recipe!r}; for "
                             "current scaling pass dot_general=jaxamp.fp8.fp8_dot_general")
         self.fp8 = Fp8Meta(Fp8State.create(recipe))
+        """The :class:`Fp8Meta` variable holding this matmul's :class:`Fp8State`, which the
+        train step updates."""
 
     def __call__(self, lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
                  precision: Any = None, preferred_element_type: DTypeLike | None = None,
@@ -568,6 +588,7 @@ class EinsumOp(nnx.Module):
 
     def __init__(self, recipe: DelayedScaling = DelayedScaling()):
         self.dot = DotGeneral(recipe)
+        """The :class:`DotGeneral` that runs the contraction and holds its FP8 metadata."""
 
     def __call__(self, subscripts: str, *operands: ArrayLike, precision: Any = None,
                  preferred_element_type: DTypeLike | None = None, **kwargs: Any) -> jax.Array:

@@ -31,9 +31,16 @@ class GradStats(NamedTuple):
     """
 
     finite: jax.Array
+    """A bool scalar: True when the fp32 sum of squares of all the gradients is finite (no inf
+    or nan, and no overflow)."""
     norm: jax.Array
+    """The global L2 norm of the gradients, an fp32 scalar, divided by ``scale`` when one is
+    given."""
     nonfinite_leaves: jax.Array
+    """An int32 scalar: the number of floating leaves whose sum of squares is inf or nan."""
     first_nonfinite_leaf: jax.Array
+    """An int32 scalar: the index of the first non-finite floating leaf in tree order, or -1;
+    :func:`nonfinite_leaf_path` gives its path."""
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:

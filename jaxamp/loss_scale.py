@@ -162,9 +162,11 @@ class NoOpLossScale(_LossScaleMethods):
 
     @property
     def loss_scale(self) -> jax.Array:  # type: ignore[override]
+        """Always 1, an fp32 scalar (made on each access: this state has no leaves)."""
         return jnp.ones((), jnp.float32)
 
     def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
+        """Returns ``self``: a scale of 1 never changes, whatever ``grads_finite`` is."""
         del grads_finite
         return self
 
@@ -180,11 +182,13 @@ class StaticLossScale(_LossScaleMethods):
     """
 
     loss_scale: Any = 2.0**15
+    """The fixed scale, an fp32 scalar (a python number is converted at construction)."""
 
     def __post_init__(self):
         object.__setattr__(self, "loss_scale", _to_f32_scalar(self.loss_scale, "loss_scale"))
 
     def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
+        """Returns ``self``: the scale stays fixed whether or not the gradients were finite."""
         del grads_finite
         return self
 
@@ -226,15 +230,28 @@ class DynamicLossScale(_LossScaleMethods):
     """
 
     loss_scale: Any = 2.0**16
+    """The current scale, an fp32 scalar (whatever the compute dtype)."""
     growth_tracker: Any = 0
+    """Consecutive finite steps since the last growth or overflow, an int32 scalar."""
     hysteresis_left: Any = -1  # -1 (a python int): start with the full `hysteresis` budget
+    """Overflows still tolerated before the next backoff, an int32 scalar (``-1`` at
+    construction stands for the full ``hysteresis`` budget)."""
     growth_interval: int = _static(2000)
+    """Static: the number of consecutive finite steps after which the scale grows (it grows on
+    the last of them)."""
     growth_factor: float = _static(2.0)
+    """Static: the factor (> 1) the scale is multiplied by when it grows."""
     backoff_factor: float = _static(0.5)
+    """Static: the factor, in (0, 1), the scale is multiplied by when it backs off."""
     min_scale: float | None = _static(None)
+    """Static: the lowest scale a backoff reaches; ``None`` for the smallest normal fp32."""
     max_scale: float | None = _static(None)
+    """Static: the highest scale a growth reaches; ``None`` for no bound but fp32's range."""
     hysteresis: int = _static(1)
+    """Static: the overflows (>= 1) it takes to back off once; 1 backs off on every one."""
     hysteresis_refill: Literal["growth", "finite"] = _static("growth")
+    """Static: when the hysteresis budget refills: ``"growth"`` at every growth of the scale,
+    ``"finite"`` at every finite step."""
 
     def __post_init__(self):
         self._validate()
@@ -326,3 +343,5 @@ class DynamicLossScale(_LossScaleMethods):
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+"""Any of the three loss-scale states, for annotations: :class:`NoOpLossScale`,
+:class:`StaticLossScale` or :class:`DynamicLossScale` (a type alias, not a class)."""

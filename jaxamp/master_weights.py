@@ -42,11 +42,13 @@ import dataclasses
 import functools
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.core import Tracer
 from jax.experimental.layout import Layout
 from jax.experimental.layout import with_layout_constraint
 from jax.typing import DTypeLike
@@ -129,19 +131,44 @@ class MixedPrecisionState(NamedTuple):
     """
 
     master_params: Any
+    """A tree like the params: the fp32 master copy of each param that works in another dtype
+    (``master="float32"``), ``optax.MaskedNode()`` for every other param."""
     inner_state: Any
+    """The wrapped optimizer's state, built on the fp32 params (its moments in
+    ``moments_dtype`` when one is given)."""
     loss_scale: LossScale
+    """The loss-scale state (:class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
+    ``DynamicLossScale``) holding the scale for the next step."""
     applied_steps: jax.Array
+    """An int32 scalar: the number of applied updates (saturates at 2**31 - 1)."""
     skipped_steps: jax.Array
+    """An int32 scalar: the number of skipped, non-finite updates (saturates at 2**31 - 1)."""
     grads_finite: jax.Array
+    """A bool scalar: whether the last update's gradients were all finite."""
     grad_norm: jax.Array
+    """An fp32 scalar: the global L2 norm of the last update's unscaled gradients."""
     nonfinite_leaves: jax.Array
+    """An int32 scalar: the number of gradient leaves holding an inf or nan at the last
+    update."""
     first_nonfinite_leaf: jax.Array
+    """An int32 scalar: the index (tree order, floating leaves) of the first of them, or -1;
+    :func:`jaxamp.nonfinite_leaf_path` gives its path."""
     skips_at_min_scale: jax.Array
+    """An int32 scalar: consecutive non-finite steps taken at the minimum loss scale; 0 after a
+    finite step (saturates)."""
     stalled: jax.Array
+    """A bool scalar, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
+    where loss scaling cannot help."""
     compensation: Any = None
+    """``master="kahan"``: a tree like the params holding each half-precision param's
+    compensation (``uint16`` for bf16, float16 for fp16; ``MaskedNode`` elsewhere); else
+    ``None``."""
     rounding_key: Any = None
+    """The uint32 data of the PRNG key of stochastic rounding (``master="stochastic"`` or
+    ``moments_dtype="bfloat16"``), else ``None``; it never changes."""
     policy: Policy = Policy()
+    """The :class:`~jaxamp.Policy` the transform was built with; static (part of the
+    treedef, not a leaf)."""
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
@@ -174,7 +201,7 @@ def _row_major_grads(grads: Any) -> Any:
     on other backends (TPU's tiled layouts in particular) the grads pass through untouched.
     """
     def pin(g):
-        if isinstance(g, jax.core.Tracer) and getattr(g, "ndim", 0) >= 2:
+        if isinstance(g, Tracer) and getattr(g, "ndim", 0) >= 2:
             return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
         return g
     return jax.tree.map(pin, grads)
@@ -185,6 +212,8 @@ def _row_major_grads(grads: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 
 MASTERS = ("float32", "kahan", "stochastic", "none")
+"""The ``master=`` options of :func:`mixed_precision`: where the fp32 value of each
+half-precision param lives between steps (``"float32"``, the default, keeps an fp32 copy)."""
 _MOMENTS_DTYPES = ("float32", "bfloat16")
 _ABSENT = optax.MaskedNode()
 
@@ -608,9 +637,11 @@ def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Any:
                 "'bfloat16' stores its moments in bf16 (rounded stochastically) and computes "
                 "in fp32; float16 moments would overflow with the squared gradients")
         moments_dtype = dtype
-    if not (isinstance(seed, int) and not isinstance(seed, bool)) and not (
-            hasattr(seed, "dtype") and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key)
-                                        or seed.dtype == jnp.uint32)):
+    is_int = isinstance(seed, int) and not isinstance(seed, bool)
+    seed_dtype = getattr(seed, "dtype", None)
+    is_key = seed_dtype is not None and (jnp.issubdtype(seed_dtype, jax.dtypes.prng_key)
+                                         or seed_dtype == jnp.uint32)
+    if not (is_int or is_key):
         raise TypeError(f"seed must be an int or a PRNG key, got {type(seed).__name__} "
                         f"{seed!r}; e.g. seed=0 or seed=jax.random.key(0)")
     return moments_dtype
@@ -720,10 +751,15 @@ def mixed_precision(
     _check_arguments(inner, loss_scale, stall_after, skip)
     moments_dtype = _check_storage(master, moments_dtype, seed)
     inner = optax.with_extra_args_support(inner)
-    return optax.GradientTransformationExtraArgs(
-        functools.partial(_init, inner, policy, loss_scale, master, moments_dtype, seed),
-        functools.partial(_update, inner, policy, stall_after, pin_grad_layout, skip, master,
-                          moments_dtype))
+    # optax types a state as an ``ArrayTree`` (arrays, and iterables and mappings of them),
+    # which leaves no room for a pytree node such as the loss scale or the static policy, and
+    # its protocols are not generic in the state's type. These two implement the protocols
+    # (they take and return a pytree state), so they are cast to them.
+    init = cast(optax.TransformInitFn, functools.partial(
+        _init, inner, policy, loss_scale, master, moments_dtype, seed))
+    update = cast(optax.TransformUpdateExtraArgsFn, functools.partial(
+        _update, inner, policy, stall_after, pin_grad_layout, skip, master, moments_dtype))
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def _check_same_structure(tree: Any, reference: Any, what: str = "gradient tree",

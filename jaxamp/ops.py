@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +158,9 @@ def batch_norm_train(x: ArrayLike, scale: ArrayLike, bias: ArrayLike, *,
     """
     x, scale, bias = jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias)
     res = None if residual is None else jnp.asarray(residual).astype(x.dtype)
-    y, mean, var = _batch_norm_train(x, scale, bias, res, float(epsilon), bool(relu))
+    # ``functools.partial(jax.custom_vjp, ...)`` loses the wrapped function's return type.
+    y, mean, var = cast(tuple[jax.Array, jax.Array, jax.Array],
+                        _batch_norm_train(x, scale, bias, res, float(epsilon), bool(relu)))
     return y, jax.lax.stop_gradient(mean), jax.lax.stop_gradient(var)
 
 

@@ -32,13 +32,21 @@ __all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
 class OverflowEvent:
     """The first non-finite value produced inside one layer."""
 
-    phase: str  # "forward" or "backward"
-    layer: str  # the name scope, or the source line when there is none
+    phase: str
+    """``"forward"`` or ``"backward"``."""
+    layer: str
+    """The op's name scope (``"Encoder/layer0/mlp"``), or its source line when it has none."""
     primitive: str
+    """The JAX primitive that produced the value (``"exp"``, ``"dot_general"``)."""
     where: str
+    """The source line of the user code that ran the op, ``file:line:col (function)``, or
+    ``"<unknown>"``."""
     dtype: str
+    """The dtype of the op's output (``"float16"``)."""
     shape: tuple[int, ...]
-    kind: str  # "inf", "nan" or "inf+nan"
+    """The shape of the op's output."""
+    kind: str
+    """``"inf"``, ``"nan"`` or ``"inf+nan"``: what the output holds."""
 
 
 @dataclasses.dataclass
@@ -52,16 +60,24 @@ class OverflowReport:
     """
 
     events: list[OverflowEvent]
+    """The first non-finite value of each layer: the forward pass's in execution order, then
+    the backward pass's."""
     nonfinite_grads: list[str]
+    """The paths (as :func:`jaxamp.tree_path_str` writes them) of the params whose gradient
+    holds an inf or nan."""
     loss: float
+    """The step's unscaled loss (computed in fp32), as a python float."""
     loss_scale: float
+    """The loss scale the step ran with (1 without a :func:`jaxamp.mixed_precision` state)."""
 
     @property
     def first_forward(self) -> OverflowEvent | None:
+        """The first :class:`OverflowEvent` of the forward pass, or ``None``."""
         return next((e for e in self.events if e.phase == "forward"), None)
 
     @property
     def first_backward(self) -> OverflowEvent | None:
+        """The first :class:`OverflowEvent` of the backward pass, or ``None``."""
         return next((e for e in self.events if e.phase == "backward"), None)
 
     def __str__(self) -> str:

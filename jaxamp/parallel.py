@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -45,7 +46,8 @@ def replicate(tree: Any, devices: list | None = None) -> Any:
     sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), PartitionSpec("devices"))
 
     def stack(x):  # host-side, one transfer per device: no per-shape compilation
-        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        dtype = getattr(x, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
             return jax.device_put(jnp.stack([x] * len(devices)), sharding)
         x = np.asarray(x)
         return jax.make_array_from_callback((len(devices), *x.shape), sharding,
@@ -273,9 +275,9 @@ def per_device_bytes(tree: Any, shardings: Any = None) -> int:
     per_device: collections.Counter = collections.Counter()
     whole = 0
     for x, sharding in zip(leaves, shards, strict=True):
-        itemsize = np.dtype(x.dtype).itemsize if not jax.dtypes.issubdtype(
+        itemsize = np.dtype(x.dtype).itemsize if not jnp.issubdtype(
             x.dtype, jax.dtypes.prng_key) else x.dtype.itemsize
-        if isinstance(x, jax.Array) and shardings is None and not isinstance(x, jax.core.Tracer):
+        if isinstance(x, jax.Array) and shardings is None and not isinstance(x, Tracer):
             for shard in x.addressable_shards:
                 per_device[shard.device] += math.prod(shard.data.shape) * itemsize
         elif isinstance(sharding, jax.sharding.Sharding):

@@ -124,11 +124,20 @@ class Policy:
     """
 
     param_dtype: Any = jnp.float32
+    """The dtype of the master params, kept in the optimizer state (a numpy dtype once
+    built)."""
     compute_dtype: Any = jnp.float32
+    """The dtype of the working params and of activations."""
     output_dtype: Any = jnp.float32
+    """The dtype of what the model returns; the loss is always reduced in fp32."""
     overrides: tuple[tuple[str, Any], ...] = ()
+    """``(regex, dtype)`` pairs: a param whose path matches ``regex`` works in ``dtype``
+    instead of ``compute_dtype``; the first matching rule wins."""
     name: str = dataclasses.field(default="", compare=False)
+    """The preset or string this policy was parsed from; informational, ignored by ``==``."""
     fp8: bool = False
+    """Whether :func:`jaxamp.autocast` runs matmuls in FP8 with current scaling; the
+    ``mixed_fp8`` preset sets it."""
 
     def __post_init__(self):
         for field in ("param", "compute", "output"):

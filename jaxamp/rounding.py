@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
-__all__ = ["kahan_split", "stochastic_round"]
+__all__ = ["kahan_join", "kahan_split", "stochastic_round"]
 
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -106,12 +106,20 @@ class TrainState:
     """
 
     step: jax.Array
+    """An int32 scalar: the number of steps taken, applied and skipped."""
     params: Any
+    """The working params, each in its working dtype (``compute_dtype`` or an override's)."""
     opt_state: Any
+    """The optimizer state; with :func:`jaxamp.mixed_precision` it holds the fp32 master, the
+    inner state, the loss scale, the counters and the policy."""
     model_state: Any = None
+    """Mutable model state such as BatchNorm statistics or FP8 metadata, or ``None``."""
     rng: Any = None
+    """A base PRNG key, folded with ``step`` at each step, or ``None``."""
     tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    """The optimizer (static: part of the treedef, not a leaf)."""
     policy: Policy = struct.field(pytree_node=False)
+    """The precision policy (static), the one the optimizer state carries."""
 
     @classmethod
     def create(cls, *, params: Any, tx: optax.GradientTransformation, policy: Any = None,
@@ -350,7 +358,9 @@ def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParalle
     cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
                                  state.params if mp is None else storage_of(mp, state.params))
     replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
-    update = jax.sharding.auto_axes(
+    # Declared: auto_axes is unannotated, and its inferred type includes the decorator
+    # factory that ``auto_axes(out_sharding=...)`` (no function) returns.
+    update: Callable[..., Any] = jax.sharding.auto_axes(
         functools.partial(_update, config, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
     return update(state, grads, new_model_state)
