@@ -8,8 +8,12 @@ and never run. `make docs` builds the site itself, in strict mode.
 """
 
 import importlib.util
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -87,3 +91,52 @@ def test_the_home_page_and_the_readme_show_the_same_features_and_figures():
     assert section(home, "Features") == section(readme, "Features")
     assert section(home, "Measured") == section(readme, "Measured").replace(
         "(BENCHMARKS.md)", "(benchmarks.md)")
+
+
+def _site_copy(root: pathlib.Path) -> pathlib.Path:
+    """What `make docs` reads, copied: the config, the pages, the package, the notebooks and the
+    repository files the site shows."""
+    for name in ("mkdocs.yml", "BENCHMARKS.md", "CHANGELOG.md"):
+        shutil.copy(ROOT / name, root / name)
+    for name in ("docs", "jaxamp", "notebooks"):
+        shutil.copytree(ROOT / name, root / name,
+                        ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+    shutil.copytree(ROOT / "benchmarks" / "results", root / "benchmarks" / "results")
+    return root
+
+
+def _break(root: pathlib.Path, breakage: str) -> None:
+    if breakage == "reference_and_link":  # both are reported before the build aborts
+        page = root / "docs" / "getting-started.md"
+        page.write_text(page.read_text() + "\nSee [`nothing`][jaxamp.no_such_name].\n")
+        page = root / "docs" / "concepts" / "policies.md"
+        page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
+    elif breakage == "notebook":
+        (root / "notebooks" / "01_quickstart.ipynb").write_text('{"cells": [')
+    elif breakage == "docstring":
+        module = root / "jaxamp" / "rounding.py"
+        module.write_text(module.read_text().replace(
+            '"""The fp32 value that :func:`kahan_split` split into ``high`` and ``low``."""',
+            "pass"))
+
+
+@pytest.mark.parametrize("breakage", ["none", "reference_and_link", "notebook", "docstring"])
+def test_the_strict_build_fails_on_a_broken_page(breakage, tmp_path):
+    """`make docs` builds in strict mode: the unbroken copy builds, and each breakage fails."""
+    root = _site_copy(tmp_path)
+    _break(root, breakage)
+    mkdocs = pathlib.Path(sys.executable).parent / "mkdocs"
+    result = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")],
+                            cwd=root, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    if breakage == "none":
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "site" / "api" / "index.html").exists()
+        assert (tmp_path / "site" / "notebooks" / "01_quickstart" / "index.html").exists()
+    else:
+        assert result.returncode != 0, f"the build passed despite a broken {breakage}"
+        expected = {"reference_and_link": ["jaxamp.no_such_name", "no-such-page.md"],
+                    "notebook": ["01_quickstart"],
+                    "docstring": ["jaxamp.kahan_join has no docstring"]}
+        for message in expected[breakage]:
+            assert message in result.stderr + result.stdout, result.stderr[-3000:]
