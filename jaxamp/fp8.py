@@ -506,7 +506,12 @@ def is_fp8_state(x: Any) -> bool:
 
 
 def find_fp8_states(tree: Any) -> list[Fp8State]:
-    """Every :class:`Fp8State` in ``tree``, in tree order."""
+    """Every :class:`Fp8State` in ``tree``, in tree order.
+
+    >>> states = {"b": Fp8State.create(DelayedScaling(history_length=2)), "a": [1.0]}
+    >>> [s.amax_history.shape for s in find_fp8_states(states)]
+    [(3, 2)]
+    """
     return [x for x in jax.tree.leaves(tree, is_leaf=is_fp8_state) if is_fp8_state(x)]
 
 

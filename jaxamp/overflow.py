@@ -30,7 +30,13 @@ __all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
 
 @dataclasses.dataclass(frozen=True)
 class OverflowEvent:
-    """The first non-finite value produced inside one layer."""
+    """The first non-finite value produced inside one layer (see :func:`explain_overflow`).
+
+    >>> e = OverflowEvent("forward", "layer2", "exp", "model.py:12:8 (f)", "float16", (2, 1),
+    ...                   "inf")
+    >>> e.phase, e.kind
+    ('forward', 'inf')
+    """
 
     phase: str
     """``"forward"`` or ``"backward"``."""
