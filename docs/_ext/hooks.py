@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pathlib
 import re
@@ -35,6 +36,7 @@ def public_names() -> list[str]:
     return names
 
 
+@functools.cache  # loaded once per build: by the check before it and by the API table
 def _package():
     import griffe
 
@@ -83,6 +85,7 @@ def api_problems(docs_dir: pathlib.Path) -> list[str]:
 
 
 def on_pre_build(config) -> None:
+    _package.cache_clear()  # `mkdocs serve` rebuilds in one process: read the edited sources
     problems = api_problems(pathlib.Path(config["docs_dir"]))
     if problems:
         raise PluginError("the API reference is incomplete:\n  " + "\n  ".join(problems))
