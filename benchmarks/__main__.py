@@ -3,31 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import os
 import sys
+from types import ModuleType
 from typing import Any
 
 import benchmarks
-from benchmarks import autocast
-from benchmarks import autocast_step
-from benchmarks import cpu_dtypes
-from benchmarks import cpu_flags
-from benchmarks import fp8
-from benchmarks import gpu
-from benchmarks import layout
-from benchmarks import long_fp16
-from benchmarks import master_numerics
-from benchmarks import memory
-from benchmarks import overhead
-from benchmarks import step_memory
-from benchmarks import torch_amp
-from benchmarks import zero
 
-SUITES = {"overhead": overhead, "memory": memory, "torch": torch_amp, "cpu_flags": cpu_flags,
-          "gpu": gpu, "layout": layout, "cpu_dtypes": cpu_dtypes, "long_fp16": long_fp16,
-          "autocast": autocast, "autocast_step": autocast_step, "zero": zero,
-          "step_memory": step_memory, "master_numerics": master_numerics, "fp8": fp8}
+# Suite name -> module of this package. A suite's module (and with it its peers: jmp, equinox,
+# torch) is imported only when that suite runs or its own --help is asked for, so that a
+# machine without a peer runs every other suite: the GPU machine has no jmp.
+SUITES = {"overhead": "overhead", "memory": "memory", "torch": "torch_amp",
+          "cpu_flags": "cpu_flags", "gpu": "gpu", "layout": "layout", "cpu_dtypes": "cpu_dtypes",
+          "long_fp16": "long_fp16", "autocast": "autocast", "autocast_step": "autocast_step",
+          "zero": "zero", "step_memory": "step_memory", "master_numerics": "master_numerics",
+          "fp8": "fp8"}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def suite_module(name: str) -> ModuleType:
+    """The module of suite ``name``, imported now."""
+    return importlib.import_module(f"benchmarks.{SUITES[name]}")
+
+
+def suite_doc(name: str) -> str:
+    """Suite ``name``'s module docstring, read from its source without importing it."""
+    with open(os.path.join(_HERE, f"{SUITES[name]}.py")) as f:
+        return ast.get_docstring(ast.parse(f.read()), clean=False) or ""
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -40,19 +45,23 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="extra XLA_FLAGS for this run (set before the backend starts)")
 
 
-def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _parsers(loaded: tuple[str, ...]) -> tuple[argparse.ArgumentParser,
+                                               dict[str, argparse.ArgumentParser]]:
+    """The parser; the suites in ``loaded`` are imported for their own arguments."""
     ap = argparse.ArgumentParser(prog="python -m benchmarks",
                                  description=benchmarks.__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="suite", required=True, metavar="suite")
     suites = {}
-    for name, module in SUITES.items():
-        doc = module.__doc__ or ""
+    for name in SUITES:
+        doc = suite_doc(name)
         summary = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1].split(". ")[0]
         suites[name] = p = sub.add_parser(name, help=summary, description=doc,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_common(p)
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(p)
+        if name in loaded:
+            module = suite_module(name)
+            if hasattr(module, "add_arguments"):
+                module.add_arguments(p)
     _add_common(sub.add_parser("all", help="every suite in turn (with --tiny: what the tests run)"))
     return ap, suites
 
@@ -64,7 +73,7 @@ def _suite_args(ap, suites, name: str, args: argparse.Namespace) -> argparse.Nam
         setattr(ns, key, getattr(args, key))
     ns.suite = name
     ns.via_all = args.suite == "all"
-    module = SUITES[name]
+    module = suite_module(name)
     if ns.rounds is None:
         ns.rounds = 2 if ns.tiny else module.ROUNDS
     elif ns.rounds < 0:
@@ -77,13 +86,16 @@ def _suite_args(ap, suites, name: str, args: argparse.Namespace) -> argparse.Nam
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the suites; returns each suite's result (its rows, or its figures) by name."""
-    ap, suites = _parsers()
+    argv = sys.argv[1:] if argv is None else argv
+    first = argv[0] if argv else None
+    loaded = tuple(SUITES) if first == "all" else (first,) if first in SUITES else ()
+    ap, suites = _parsers(loaded)
     args = ap.parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     per_suite = {name: _suite_args(ap, suites, name, args) for name in names}
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-    return {name: SUITES[name].run(per_suite[name]) for name in names}
+    return {name: suite_module(name).run(per_suite[name]) for name in names}
 
 
 if __name__ == "__main__":

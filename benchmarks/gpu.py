@@ -12,7 +12,8 @@ end (or with ``--render-only``) the rows get their ratios and ``OUT/gpu.md`` and
 are written from both files.
 
 Precisions (each model runs its own in the order of ``MODEL_PRECISIONS``, what matters most
-first, so that a timeout cuts the least):
+first, so that a budget or a timeout cuts the least; ``--set core`` is the rows that decide the
+GPU goals, ``--set extended`` the rest):
 
 * ``mixed_bfloat16``: ``make_train_step`` on ``jaxamp.mixed_precision(adamw, "mixed_bfloat16")``
   with ``skip="cond"`` (what ``skip="auto"`` is); ``mixed_bfloat16_select``: the same with
@@ -45,16 +46,19 @@ skips).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import gc
+import hashlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
 import re
+import signal
 import sys
 import time
 import warnings
@@ -138,16 +142,63 @@ PRECISIONS = {
     "torch_compile_bf16": Precision("PyTorch torch.compile, torch.autocast(bfloat16), AdamW "
                                     "defaults", "torch", torch_compile=True),
 }
-_JAX = ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "fp32_default", "mixed_float16",
-        "fp32_highest")
-MODEL_PRECISIONS = {  # in the order they run: what matters most first, torch.compile last
-    "resnet50": ("mixed_bfloat16", "mixed_bfloat16_select", "bare_bf16", "torch_amp_bf16",
-                 "fp32_default", "mixed_float16", "torch_amp_fp16", "fp32_highest",
-                 "mixed_bfloat16_kahan", "torch_compile_bf16"),
-    "bert_large": ("mixed_bfloat16", "mixed_fp8_current", "mixed_fp8_delayed", *_JAX[1:],
-                   "mixed_bfloat16_zero3", "mixed_bfloat16_kahan", "mixed_bfloat16_stochastic"),
+# The rows that decide the GPU goals, in the order they run (what matters most first, so that a
+# budget or a timeout cuts the least): `bash benchmarks/gpu.sh` runs these in one command.
+CORE = {
+    "resnet50": ("mixed_bfloat16", "bare_bf16", "mixed_bfloat16_select", "torch_amp_bf16",
+                 "fp32_default", "fp32_highest", "torch_compile_bf16"),
+    "bert_large": ("mixed_bfloat16", "bare_bf16", "mixed_bfloat16_select", "fp32_default",
+                   "fp32_highest", "mixed_fp8_current", "mixed_bfloat16_kahan"),
     "nnx_gpt": ("autocast_bf16", "fp32_default"),
 }
+# The rest, for a second command (`SET=extended bash benchmarks/gpu.sh`).
+EXTENDED = {
+    "resnet50": ("mixed_float16", "torch_amp_fp16", "mixed_bfloat16_kahan"),
+    "bert_large": ("mixed_float16", "mixed_fp8_delayed", "mixed_bfloat16_zero3",
+                   "mixed_bfloat16_stochastic"),
+    "nnx_gpt": (),
+}
+SETS = {"core": CORE, "extended": EXTENDED,
+        "all": {m: CORE[m] + EXTENDED[m] for m in CORE}}
+MODEL_PRECISIONS = SETS["all"]  # every row of each model, in the order they run
+
+# Seconds one row takes on an H200 (jax 0.11.2), for --budget: its compile (autotuning
+# included; "measured": the compile_s of the first H200 run, BENCHMARKS.md's GPU section) and
+# the rest (building the state, the FLOP count's trace, 3 warm-up steps and the timed steps,
+# at most --seconds 5: 8 s for a ResNet-50 row, 10 s for BERT-Large's, 16 s for its 1.6 s
+# fp32_highest step). "est": not measured there, estimated from the nearest measured row (the
+# same model's program with the named change).
+H200_SECONDS = {  # (model, precision): (compile s, rest s, measured or est)
+    ("resnet50", "mixed_bfloat16"): (21.2, 8.0, "measured"),
+    ("resnet50", "bare_bf16"): (8.3, 8.0, "measured"),
+    ("resnet50", "mixed_bfloat16_select"): (21.2, 8.0, "est: as mixed_bfloat16"),
+    ("resnet50", "torch_amp_bf16"): (12.9, 8.0, "measured"),
+    ("resnet50", "fp32_default"): (23.8, 8.0, "measured"),
+    ("resnet50", "fp32_highest"): (26.7, 8.0, "measured"),
+    ("resnet50", "torch_compile_bf16"): (90.0, 8.0, "est: inductor, 2-3x eager's warm-up"),
+    ("resnet50", "mixed_float16"): (21.2, 8.0, "est: as mixed_bfloat16"),
+    ("resnet50", "torch_amp_fp16"): (12.9, 8.0, "est: as torch_amp_bf16"),
+    ("resnet50", "mixed_bfloat16_kahan"): (23.0, 8.0, "est: mixed_bfloat16 + 10%"),
+    ("bert_large", "mixed_bfloat16"): (43.7, 10.0, "measured"),
+    ("bert_large", "bare_bf16"): (27.9, 10.0, "measured"),
+    ("bert_large", "mixed_bfloat16_select"): (43.7, 10.0, "est: as mixed_bfloat16"),
+    ("bert_large", "fp32_default"): (36.5, 10.0, "measured"),
+    ("bert_large", "fp32_highest"): (73.4, 16.0, "measured"),
+    ("bert_large", "mixed_fp8_current"): (60.0, 12.0, "est: mixed_bfloat16 + 40% (autocast)"),
+    ("bert_large", "mixed_bfloat16_kahan"): (48.0, 10.0, "est: mixed_bfloat16 + 10%"),
+    ("bert_large", "mixed_float16"): (43.7, 10.0, "est: as mixed_bfloat16"),
+    ("bert_large", "mixed_fp8_delayed"): (60.0, 12.0, "est: as mixed_fp8_current"),
+    ("bert_large", "mixed_bfloat16_zero3"): (50.0, 10.0, "est: mixed_bfloat16 + 15%"),
+    ("bert_large", "mixed_bfloat16_stochastic"): (48.0, 10.0, "est: as mixed_bfloat16_kahan"),
+    ("nnx_gpt", "autocast_bf16"): (28.4, 8.0, "measured"),
+    ("nnx_gpt", "fp32_default"): (25.0, 8.0, "est: autocast_bf16 - its casts"),
+}
+# Seconds before the rows on an H200: the process (imports, devices, the matmul peaks) and each
+# model's init. In the first run a process with its peaks and ResNet-50's init took 66 s over
+# its 5 rows' compiles, BERT-Large's 100 s over its 4 (arg-less inits, compiled by XLA:GPU);
+# the inits now run on the host's XLA:CPU (on this project's 2-core machine: ResNet-50 6.3 s,
+# BERT-Large 17 s, the GPT 7 s, compile and run).
+H200_STARTUP_SECONDS = {"process": 35.0, "resnet50": 6.0, "bert_large": 15.0, "nnx_gpt": 6.0}
 UNITS = {"image": "img/s", "text": "seq/s", "lm": "seq/s"}
 # The columns of gpu.md, in order (gpu.jsonl holds these and more).
 COLUMNS = ["model", "precision", "batch", "step_ms", "per_s", "unit", "time_vs_bare_bf16",
@@ -173,6 +224,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precisions", type=_names(PRECISIONS), default=list(PRECISIONS),
                         help="comma list of " + ", ".join(PRECISIONS) + " (default: all; each "
                         "model runs those that apply to it)")
+    parser.add_argument("--set", dest="row_set", choices=list(SETS), default="all",
+                        help="core: the rows that decide the GPU goals (one command of gpu.sh); "
+                        "extended: the rest; all (default)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="stop before SECONDS from the start: a row whose estimate does not "
+                        "fit in what is left is written as not run, and the run ends with every "
+                        "finished row on disk")
+    parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                        help="compile up to N of a model's JAX rows at once (threads) before "
+                        "timing them one by one (default: 4 on a GPU, 1 elsewhere)")
     parser.add_argument("--steps", type=int, default=20, help="most timed steps per row")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="fewer timed steps (at least 3) when they would take longer")
@@ -223,16 +284,39 @@ def _batch(case: dict) -> dict:
     return {"tokens": jnp.asarray(rng.integers(0, vocab, (b, case["seq"] + 1)), jnp.int32)}
 
 
-def _init(case: dict, tiny: bool) -> tuple[Any, Any]:
+def _init(case: dict, tiny: bool, policy: str = "float32",
+          fp8: jaxamp.fp8.DelayedScaling | None = None) -> tuple[Any, Any]:
     """``(fp32 params, model state)`` of ``case``'s model, initialised in one jitted program
-    (op by op, a ResNet's init compiles dozens of little programs)."""
+    (op by op, a ResNet's init compiles dozens of little programs).
+
+    The key is the program's argument: with a seed fixed at trace time every random draw is a
+    compile-time constant for XLA to fold (the user's GPT at 768 x 12 took 2 min 56 s to
+    compile on an H200 that way). Where the process also has a CPU backend (gpu.sh sets
+    ``JAX_PLATFORMS=cuda,cpu``) the init runs there and its result moves to the GPU: XLA:GPU
+    spends 25-45 s on this program even with the key as an argument (a deviceless H200 compile
+    of the GPT's init on this project's 2-core machine), XLA:CPU 3-5 s."""
     from train import models
 
-    def init():
-        _, params, model_state = models.split(models.build(case["model"], "float32",
-                                                           **case["kw"]))
+    def init(key):
+        _, params, model_state = models.split(models.build(case["model"], policy, seed=key,
+                                                           fp8=fp8, **case["kw"]))
         return params, model_state
-    return jax.jit(init).lower().compile(harness.tiny_compiler_options(tiny))()
+    host, target = _host_device(), jax.devices()[0]
+    with jax.default_device(host) if host is not None else contextlib.nullcontext():
+        key = jax.random.key(0)
+        options = None if host is not None else harness.tiny_compiler_options(tiny)
+        out = jax.jit(init).lower(key).compile(options)(key)
+    return jax.device_put(out, target) if host is not None else out
+
+
+def _host_device():
+    """The CPU device, where the default device is a GPU and the process has a CPU backend."""
+    if jax.default_backend() == "cpu":
+        return None
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS=cuda: no CPU backend
+        return None
 
 
 def _loss(case: dict, graphdef, fp8_state: bool = False) -> tuple[Callable, dict]:
@@ -255,10 +339,12 @@ def _fp8_recipe(prec: Precision):
 @dataclasses.dataclass
 class Built:
     step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (state, metrics)
-    state: Any
+    state: Any  # abstract (jax.ShapeDtypeStruct leaves, with their shardings on a mesh)
     batch: Any
     audited: Callable[[Any, Any], jax.Array]  # the scalar loss of (working params, batch)
     working: Any  # the working params, for the audit
+    make_state: Callable[[], Any]  # the concrete state, built when the row is timed
+    compile_state: Callable[[], Any] = lambda: None  # compiles make_state's program
 
 
 def _build(case: dict, prec: Precision, params, model_state, options: dict | None) -> Built:
@@ -270,8 +356,7 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
                                                    **case["kw"]))
     graphdef = models.split(abstract)[0]
     if recipe is not None:  # the FP8 metadata, fresh (the init of everything else is dropped)
-        model_state = jax.jit(lambda: models.split(models.build(
-            case["model"], prec.policy, fp8=recipe, **case["kw"]))[2])()
+        model_state = _init(case, False, prec.policy, fp8=recipe)[1]
     loss_fn, keywords = _loss(case, graphdef, fp8_state=recipe is not None)
     has_model_state = keywords.get("has_model_state", False)
     policy = jaxamp.get_policy(prec.policy)
@@ -296,8 +381,18 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
 
     def fresh(p, ms):  # copies: the steps donate their state, the params serve every row
         return make_state(jax.tree.map(jnp.copy, p), jax.tree.map(jnp.copy, ms))
-    state = jax.jit(fresh).lower(params, model_state).compile(options)(params, model_state)
-    return Built(step, state, _batch(case), audited, working)
+
+    lowered_fresh, compiled_fresh = jax.jit(fresh).lower(params, model_state), []
+
+    def compile_state():  # with the step: concurrently, where the step is
+        if not compiled_fresh:
+            compiled_fresh.append(lowered_fresh.compile(options))
+        return compiled_fresh[0]
+
+    def concrete():
+        return compile_state()(params, model_state)
+    return Built(step, jax.eval_shape(fresh, params, model_state), _batch(case), audited,
+                 working, concrete, compile_state)
 
 
 def _bare_step(loss_fn, has_model_state: bool, policy):
@@ -462,6 +557,8 @@ class Context:
     measured_peaks: dict[str, float | None]
     model_cache: dict = dataclasses.field(default_factory=dict)
     flops_cache: dict = dataclasses.field(default_factory=dict)
+    # (model, Precision) -> a Future of compile_jax's result, while compiled concurrently
+    compiling: dict = dataclasses.field(default_factory=dict)
 
     @property
     def compiler_options(self) -> dict | None:
@@ -507,8 +604,21 @@ def _timed_steps(args, one_step_s: float) -> int:
     return max(3, min(args.steps, int(args.seconds / max(one_step_s, 1e-9))))
 
 
-def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
-    """The measured fields of one JAX configuration."""
+@dataclasses.dataclass
+class Compiled:
+    """One JAX row, lowered and compiled, waiting to be timed."""
+
+    built: Built
+    compiled: Any
+    compile_s: float
+    dots: str  # the precisions of the lowered dots
+    effective: str  # the default matmul precision inside the row's context
+
+
+def compile_jax(model: str, prec: Precision, ctx: Context,
+                compile_fn: Callable[[Any], Any] | None = None) -> Compiled:
+    """Builds one JAX row and compiles its step (``compile_fn(lowered)``: where it runs;
+    default: here, now). Lowering runs here: it traces Python."""
     params, model_state = ctx.params(model)
     built = _build(ctx.cases[model], prec, params, model_state, ctx.compiler_options)
     jit_kwargs: dict[str, Any] = {}
@@ -519,13 +629,49 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
         t0 = time.perf_counter()
         lowered = jax.jit(built.step, donate_argnums=0, **jit_kwargs).lower(built.state,
                                                                              built.batch)
+        lower_s = time.perf_counter() - t0
         dots = dot_precisions(lowered.as_text())
-        compiled = lowered.compile(ctx.compiler_options)
-        compile_s = time.perf_counter() - t0
+        options = ctx.compiler_options
+
+        def timed_compile():
+            t1 = time.perf_counter()
+            out = lowered.compile(options)
+            compile_s = lower_s + time.perf_counter() - t1
+            built.compile_state()
+            return out, compile_s
+        if compile_fn is None:
+            compiled, compile_s = timed_compile()
+        else:  # a Future of (compiled, compile_s)
+            compiled, compile_s = compile_fn(timed_compile), math.nan
+    return Compiled(built, compiled, compile_s, dots, effective)
+
+
+def kernel_fingerprint(compiled) -> dict[str, Any]:
+    """``hlo_sha``: a hash of the optimized HLO, which on a GPU holds the autotuner's choice for
+    every matmul and convolution (the custom calls' and Triton fusions' configs, counted in
+    ``kernels``): two compiles of one program, concurrent or one at a time, picked the same
+    kernels when their hashes agree."""
+    try:
+        text = compiled.as_text()
+    except Exception:
+        return {"kernels": None, "hlo_sha": None}
+    kernels = sum("custom_call_target=" in line or '"__triton' in line
+                  for line in text.splitlines())
+    return {"kernels": kernels, "hlo_sha": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
+    """The measured fields of one JAX configuration (compiled now, or taken from the
+    concurrent compile of its model's rows)."""
+    pending = ctx.compiling.pop((model, prec), None)
+    ready = pending.result() if pending is not None else compile_jax(model, prec, ctx)
+    built, compiled = ready.built, ready.compiled
+    fields = {"compile_s": ready.compile_s, "matmul_precision": ready.effective,
+              "dot_precision": ready.dots, "compiled_concurrently": pending is not None}
     flops = ctx.trace_flops(model, prec, built)
     share = fp8_share(built) if prec.peak == "float8" else None
-    batch, state = built.batch, built.state
-    del built
+    batch, state = built.batch, built.make_state()
+    del built, ready
     peak_before = _live_peak()
     for _ in range(WARMUP):
         state, metrics = compiled(state, batch)
@@ -541,7 +687,7 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
     dt = (time.perf_counter() - t0) / steps
     peak_after = _live_peak()
     skipped = metrics.get("skipped_steps")
-    row = {"step_ms": 1e3 * dt, "steps": steps, "compile_s": compile_s, "flops": flops,
+    row = {"step_ms": 1e3 * dt, "steps": steps, **fields, "flops": flops,
            "xla_flops": xla_flops(compiled), **compiled_memory(compiled),
            # The process-lifetime peak cannot be reset: it is this configuration's only where
            # this configuration raised it.
@@ -549,7 +695,7 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
                             and peak_after > peak_before else None),
            "loss": float(metrics["loss"]),
            "skipped_steps": None if skipped is None else int(skipped),
-           "matmul_precision": effective, "dot_precision": dots}
+           **kernel_fingerprint(compiled)}
     if share is not None:
         row["fp8_share"] = share
     del state, metrics, compiled
@@ -567,8 +713,9 @@ def _on_mesh(built: Built, zero: int) -> tuple[Built, dict]:
                                       params="sharded" if zero == 3 else "replicated")
     batch_sharding = jaxamp.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    placed = dataclasses.replace(built, state=jax.device_put(built.state, shardings),
-                                 batch=jaxamp.put_sharded(built.batch, batch_sharding))
+    placed = dataclasses.replace(
+        built, make_state=lambda: jax.device_put(built.make_state(), shardings),
+        batch=jaxamp.put_sharded(built.batch, batch_sharding))
     return placed, {"in_shardings": (shardings, batch_sharding),
                     "out_shardings": (shardings, replicated)}
 
@@ -686,7 +833,8 @@ def versions() -> dict[str, Any]:
 
 
 def _plan(args) -> list[tuple[str, str]]:
-    return [(m, p) for m in args.models for p in MODEL_PRECISIONS[m] if p in args.precisions]
+    rows = SETS[getattr(args, "row_set", "all")]
+    return [(m, p) for m in args.models for p in rows[m] if p in args.precisions]
 
 
 def _measure_peaks(plan, tiny: bool) -> dict[str, float | None]:
@@ -757,8 +905,11 @@ def run(args) -> list[dict]:
             if os.path.exists(path):
                 os.remove(path)
     plan = _plan(args)
+    by_model = {m: tuple(p for m2, p in plan if m2 == m) for m in dict.fromkeys(m for m, _ in plan)}
     print(f"- plan: {len(plan)} configurations: "
-          + ", ".join(f"{m}/{p}" for m, p in plan), flush=True)
+          + ", ".join(f"{m}/{p}" for m, p in plan)
+          + f" (on an H200: about {h200_estimate(by_model, args.compile_workers or 4):.0f} s)",
+          flush=True)
     peaks = _measure_peaks(plan, args.tiny)
     _append(runs_path, {"suite": SUITE, "started": datetime.datetime.now(
         datetime.UTC).isoformat(timespec="seconds"), "argv": sys.argv[1:],
@@ -767,12 +918,178 @@ def run(args) -> list[dict]:
         "measured_peaks_tflops": {k: None if v is None else v / 1e12 for k, v in peaks.items()},
         "environment_info": _environment_info()})
     ctx = Context(args, _cases(args.tiny), dev.device_kind, peaks)
-    for model, precision in plan:
-        row = _row(model, precision, ctx)
+    budget = Budget(args.budget, START, dev.platform == "gpu")
+    workers = args.compile_workers or (4 if dev.platform == "gpu" else 1)
+
+    def write(row):
         _append(rows_path, {"suite": SUITE, **row})
         print(_summary(row), flush=True)
+    current = None
+    with budget.alarm():
+        try:
+            for model in dict.fromkeys(m for m, _ in plan):
+                group = budget.fit([p for m, p in plan if m == model], model, workers)
+                current = (model, group[0][0])
+                with _compiling_concurrently(ctx, model, [p for p, fits in group if fits],
+                                             workers):
+                    for precision, fits in group:
+                        current = (model, precision)
+                        if not fits:
+                            write(_not_run(model, precision, ctx, budget.why_not(model,
+                                                                                  precision)))
+                            continue
+                        row = _row(model, precision, ctx)
+                        budget.done(row)
+                        write(row)
+            current = None
+        except BudgetExceeded:
+            if current is not None:
+                write(_not_run(*current, ctx, f"stopped: --budget {args.budget:g} s ran out "
+                                              "in this row"))
+            print(f"  --budget {args.budget:g} s reached: stopped; every finished row is in "
+                  f"{rows_path}", flush=True)
     ctx.model_cache.clear()
     return render(out)
+
+
+# When the process started (the budget counts from here: the imports are part of the lease).
+START = time.monotonic()
+
+
+def h200_estimate(rows: dict[str, tuple[str, ...]], workers: int = 4) -> float:
+    """Seconds that running ``rows`` (model -> precisions) in one process takes on an H200, by
+    :data:`H200_SECONDS` and :data:`H200_STARTUP_SECONDS`: what makes the core set fit."""
+    total = H200_STARTUP_SECONDS["process"]
+    for model, precisions in rows.items():
+        budget = Budget(math.inf, time.monotonic(), on_gpu=True)
+        budget.fit(list(precisions), model, workers)
+        total += H200_STARTUP_SECONDS[model] + sum(budget.estimates[(model, p)][0]
+                                                  for p in precisions)
+    return total
+
+
+class BudgetExceeded(BaseException):
+    """Raised in the main thread when ``--budget`` runs out in the middle of a row."""
+
+
+@dataclasses.dataclass
+class Budget:
+    """``--budget SECONDS``: which rows fit, by their estimated seconds, and an alarm at the end.
+
+    On a GPU a row's estimate is :data:`H200_SECONDS` (its compile divided by the concurrent
+    compiles' speed-up, plus the rest); elsewhere, the longest row measured so far."""
+
+    seconds: float | None
+    start: float
+    on_gpu: bool
+    history: list[float] = dataclasses.field(default_factory=list)
+    estimates: dict = dataclasses.field(default_factory=dict)
+
+    def left(self) -> float:
+        return math.inf if self.seconds is None else self.seconds - (time.monotonic()
+                                                                      - self.start)
+
+    def estimate(self, model: str, precision: str, concurrent: int) -> float:
+        if not self.on_gpu:
+            return max(self.history, default=0.0)
+        compile_s, rest_s, _ = H200_SECONDS.get((model, precision), (60.0, 10.0, "unknown"))
+        if PRECISIONS[precision].kind != "torch":
+            compile_s /= concurrent
+        return compile_s + rest_s
+
+    def fit(self, precisions: list[str], model: str, workers: int) -> list[tuple[str, bool]]:
+        """``(precision, fits)`` for a model's rows, in order: a row fits while the estimates
+        of it and of the rows before it that fit are within what is left."""
+        jax_rows = sum(PRECISIONS[p].kind != "torch" for p in precisions)
+        # Concurrent compiles share the GPU (autotuning) and the host: count a speed-up of at
+        # most 3, whatever the workers.
+        concurrent = max(1, min(workers, jax_rows, 3))
+        used, left, out = 0.0, self.left(), []
+        if self.on_gpu:  # its init, before its rows
+            used = H200_STARTUP_SECONDS.get(model, 15.0)
+        for p in precisions:
+            need = self.estimate(model, p, concurrent)
+            self.estimates[(model, p)] = (need, left - used)
+            fits = used + need <= left
+            used += need if fits else 0.0
+            out.append((p, fits))
+        return out
+
+    def done(self, row: dict) -> None:
+        self.history.append(row.get("seconds", 0.0))
+
+    def why_not(self, model: str, precision: str) -> str:
+        need, left = self.estimates[(model, precision)]
+        return (f"not run: --budget {self.seconds:g} s (estimate {need:.0f} s, "
+                f"{max(left, 0):.0f} s left)")
+
+    @contextlib.contextmanager
+    def alarm(self):
+        """Raises :class:`BudgetExceeded` in the main thread when the budget runs out."""
+        if self.seconds is None or not hasattr(signal, "setitimer"):
+            yield
+            return
+
+        def ring(signum, frame):
+            raise BudgetExceeded
+        previous = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1e-3))
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def _not_run(model: str, precision: str, ctx: Context, why: str) -> dict:
+    prec, case = PRECISIONS[precision], ctx.cases[model]
+    return {"model": model, "precision": precision, "label": f"{model} {precision}",
+            "description": prec.description, "batch": case["batch"],
+            "unit": UNITS[case["kind"]], "policy": prec.policy, "skip": prec.skip,
+            "error": why, "not_run": True, "seconds": 0.0}
+
+
+@contextlib.contextmanager
+def _compiling_concurrently(ctx: Context, model: str, precisions: list[str], workers: int):
+    """Compiles the JAX rows of ``model`` on ``workers`` threads while the rows are timed one
+    by one in the main thread, each waiting for its own compile (``ctx.compiling``).
+
+    Lowering (Python tracing) runs here, one row after another; XLA's compile releases the
+    GIL. On a GPU the autotuner times candidate kernels on the device, so no row is timed
+    until every compile of the model is done (see ``kernel_fingerprint`` to compare the
+    kernels against ``--compile-workers 1``)."""
+    jax_rows = [p for p in precisions if PRECISIONS[p].kind != "torch"]
+    if workers <= 1 or len(jax_rows) <= 1:
+        yield
+        return
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+    try:
+        lowered = {}
+        for p in jax_rows:
+            prec = PRECISIONS[p]
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                ready = compile_jax(model, prec, ctx,
+                                    compile_fn=lambda fn: pool.submit(fn))
+                lowered[prec] = (ready, future)
+            except Exception as e:  # its row fails when it is measured
+                future.set_exception(e)
+            ctx.compiling[(model, prec)] = future
+        t0 = time.perf_counter()
+        for ready, future in lowered.values():
+            try:
+                compiled, compile_s = ready.compiled.result()
+                future.set_result(dataclasses.replace(ready, compiled=compiled,
+                                                      compile_s=compile_s))
+            except Exception as e:
+                future.set_exception(e)
+        print(f"  {model}: {len(jax_rows)} JAX rows compiled on {workers} threads in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        yield
+    finally:
+        for key in [k for k in ctx.compiling if k[0] == model]:
+            ctx.compiling.pop(key)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _environment_info() -> str | None:

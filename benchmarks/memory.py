@@ -10,6 +10,8 @@ the way their documentation builds them. Ratios are against the fp32 model of th
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,17 +19,23 @@ import optax
 import jaxamp
 from benchmarks import harness
 from benchmarks.harness import tree_bytes
-from benchmarks.peers import flax_recipe
-from benchmarks.peers import jmp_recipe
 
 ROUNDS = None  # nothing is timed
 
-# Linen variant: (the dtypes its layers are built with, how its loss is wrapped).
-LINEN_VARIANTS = {
-    "flax fp32 (Linen)": ({"norm_dtype": jnp.float32}, None),
-    "jmp recipe (Linen)": (jmp_recipe.MODEL_DTYPES, jmp_recipe.cast_to_compute),
-    "flax dtype=bf16 (Linen)": (flax_recipe.MODEL_DTYPES, None),
-}
+# The Linen variants, in the order of the table.
+LINEN_VARIANTS = ("flax fp32 (Linen)", "jmp recipe (Linen)", "flax dtype=bf16 (Linen)")
+
+
+def linen_variant(name: str) -> tuple[dict, Any]:
+    """``(the dtypes its layers are built with, how its loss is wrapped)`` of a Linen variant;
+    the peers (jmp) are imported here, when the suite runs."""
+    if name == "flax fp32 (Linen)":
+        return {"norm_dtype": jnp.float32}, None
+    if name == "jmp recipe (Linen)":
+        from benchmarks.peers import jmp_recipe
+        return jmp_recipe.MODEL_DTYPES, jmp_recipe.cast_to_compute
+    from benchmarks.peers import flax_recipe
+    return flax_recipe.MODEL_DTYPES, None
 
 
 def _cases(tiny: bool):
@@ -86,7 +94,7 @@ def _linen_loss(model, case: dict):
 
 def _linen_memory(case: dict, variant: str) -> tuple[int, int]:
     """``(saved activation bytes, params + adamw state bytes)`` of a Linen peer variant."""
-    layer_dtypes, wrap = LINEN_VARIANTS[variant]
+    layer_dtypes, wrap = linen_variant(variant)
     loss, params, x = _linen_loss(case["linen"](**layer_dtypes), case)
     if wrap is not None:
         loss = wrap(loss)

@@ -24,9 +24,6 @@ import optax
 import jaxamp
 from benchmarks import harness
 from benchmarks.harness import Variant
-from benchmarks.peers import flax_recipe
-from benchmarks.peers import jmp_recipe
-from benchmarks.peers import optax_recipe
 from train.models import encoder
 
 ROUNDS = 30
@@ -118,6 +115,9 @@ def jaxamp_variant(task: EncoderTask, policy: str, *, accum_steps: int = 1,
 def variants(cfg: encoder.EncoderConfig, batch_size: int, lr: float = 1e-3, *,
              pin_grad_layout: bool | None = None) -> tuple[dict[str, Variant], dict]:
     """Every way of building the same encoder step; each returns ``(state, fp32 loss)``."""
+    from benchmarks.peers import flax_recipe  # the peers load when the suite runs
+    from benchmarks.peers import jmp_recipe
+    from benchmarks.peers import optax_recipe
     task = encoder_task(cfg, batch_size, lr)
     jaxamp_step = functools.partial(jaxamp_variant, task, pin_grad_layout=pin_grad_layout)
     return {

@@ -1,21 +1,19 @@
 """The benchmark suites (``python -m benchmarks``) run at a tiny size, write every field, and
 compare like with like."""
 
-import argparse
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
-import jax
 import numpy as np
 import pytest
 from helpers import ROOT
 
 from benchmarks import cpu_flags
-from benchmarks import gpu
 from benchmarks import harness
+from benchmarks.__main__ import SUITES
+from benchmarks.__main__ import _parsers
+from benchmarks.__main__ import _suite_args
 from benchmarks.__main__ import main
 
 # Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
@@ -32,9 +30,27 @@ def read_jsonl(path):
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
+    """Every suite but gpu at --tiny (tests/benchmarks/test_gpu_suite.py runs gpu's, in a
+    process without jmp, equinox and torch, on the other xdist worker)."""
     out = tmp_path_factory.mktemp("bench")
-    results = main(["all", "--tiny", "--out", str(out)])
+    results = {}
+    for name in SUITES:
+        if name != "gpu":
+            results.update(main([name, "--tiny", "--out", str(out)]))
     return out, results
+
+
+def test_all_runs_every_suite_with_its_own_defaults(capsys):
+    ap, suites = _parsers(tuple(SUITES))
+    args = ap.parse_args(["all", "--tiny", "--out", "x"])
+    for name in SUITES:
+        ns = _suite_args(ap, suites, name, args)
+        assert ns.suite == name and ns.via_all and ns.tiny and ns.out == "x" and ns.rounds == 2
+    assert _suite_args(ap, suites, "gpu", args).steps == 20  # gpu's own default
+    # Every module of the package but the harness is a suite, named in SUITES.
+    assert set(SUITES.values()) == {
+        p.removesuffix(".py") for p in os.listdir(os.path.join(ROOT, "benchmarks"))
+        if p.endswith(".py") and p not in ("__init__.py", "__main__.py", "harness.py")}
 
 
 def test_overhead_suite_writes_every_field(tiny_runs):
@@ -124,224 +140,6 @@ def test_fp8_suite_writes_parity_and_cost(tiny_runs):
     assert cost["fp8_current"]["saved_by_dtype"]["float8_e4m3fn"] > 0
 
 
-def test_gpu_suite_at_a_tiny_size(tiny_runs):
-    out, _ = tiny_runs
-    rows = read_jsonl(out / "gpu.jsonl")
-    assert [(r["model"], r["precision"]) for r in rows] == [
-        (m, p) for m, ps in gpu.MODEL_PRECISIONS.items() for p in ps]
-    by = {(r["model"], r["precision"]): r for r in rows}
-    for r in rows:
-        prec = gpu.PRECISIONS[r["precision"]]
-        assert r["unit"] == ("img/s" if r["model"] == "resnet50" else "seq/s")
-        if prec.kind == "torch":  # no torchvision here, and no torch.compile at --tiny
-            assert r["error"] or r["per_s"] > 0, r
-            continue
-        assert r["error"] is None, r
-        assert r["per_s"] > 0 and r["step_ms"] > 0 and np.isfinite(r["loss"])
-        assert r["flops"] > 0 and r["tflops"] > 0 and r["mem_gb"] > 0
-        # MFU against the measured peak of the row's own kind of matmul, never fp32 over bf16;
-        # no datasheet for a CPU.
-        assert r["peak_class"] == f"{prec.peak}/{prec.matmul_precision or 'default'}"
-        assert r["mfu_measured"] > 0 and r["mfu_datasheet"] is None
-        assert r["skipped_steps"] == (None if prec.kind == "bare" else 0)
-        highest = r["precision"] == "fp32_highest"
-        assert r["matmul_precision"] == ("highest" if highest else "unset (DEFAULT)")
-        assert r["dot_precision"] == ("HIGHEST" if highest else "DEFAULT")
-    for model in ("resnet50", "bert_large"):
-        assert by[(model, "fp32_highest")]["vs_fp32_highest"] == 1.0
-        assert by[(model, "fp32_default")]["vs_fp32_default"] == 1.0
-        assert by[(model, "bare_bf16")]["time_vs_bare_bf16"] == 1.0
-        cond, select = by[(model, "mixed_bfloat16")], by[(model, "mixed_bfloat16_select")]
-        assert select["time_vs_cond"] == pytest.approx(select["step_ms"] / cond["step_ms"])
-        assert select["loss"] == pytest.approx(cond["loss"], rel=1e-4)  # the same steps
-        # FLOPs come from the trace: the same whatever the precision.
-        assert len({by[(model, p)]["flops"] for p in gpu.MODEL_PRECISIONS[model]
-                    if gpu.PRECISIONS[p].kind != "torch"}) == 1
-    # The sharded state trains the same model as the plain step (over a mesh of the devices
-    # that split the tiny batch, so in fp32 rather than bf16 partial sums: close, not equal).
-    zero3 = by[("bert_large", "mixed_bfloat16_zero3")]
-    assert zero3["loss"] == pytest.approx(by[("bert_large", "mixed_bfloat16")]["loss"], rel=1e-2)
-    # master="kahan" keeps every param's fp32 value (its moments are bf16: close, not equal).
-    for model in ("resnet50", "bert_large"):
-        kahan = by[(model, "mixed_bfloat16_kahan")]
-        assert kahan["loss"] == pytest.approx(by[(model, "mixed_bfloat16")]["loss"], rel=1e-2)
-    assert np.isfinite(by[("bert_large", "mixed_bfloat16_stochastic")]["loss"])
-    # FP8 rows: every matmul in FP8, the same model and steps as bf16 (close, not equal), MFU
-    # against the FP8 peak and the speedup over mixed_bfloat16.
-    for recipe in ("current", "delayed"):
-        row = by[("bert_large", f"mixed_fp8_{recipe}")]
-        assert row["fp8_share"] == 1.0 and row["peak_class"] == "float8/default"
-        assert row["loss"] == pytest.approx(by[("bert_large", "mixed_bfloat16")]["loss"],
-                                            rel=5e-2)
-        assert row["vs_mixed_bf16"] > 0
-    assert by[("nnx_gpt", "autocast_bf16")]["vs_fp32_default"] > 0
-    runs = read_jsonl(out / "gpu_runs.jsonl")
-    assert len(runs) == 1 and runs[0]["jax"] == jax.__version__ and runs[0]["tiny"]
-    assert runs[0]["default_matmul_precision"] == "unset (DEFAULT)"
-    assert all(v > 0 for v in runs[0]["measured_peaks_tflops"].values())
-    assert set(runs[0]["measured_peaks_tflops"]) == {r["peak_class"] for r in rows
-                                                     if r.get("peak_class")}
-    text = (out / "gpu.md").read_text()
-    assert "| resnet50 | mixed_bfloat16 | 2 |" in text and "never divided by a bf16" in text
-    assert (out / "gpu.png").stat().st_size > 1000
-
-
-def test_gpu_suite_writes_each_row_when_measured_and_survives_a_failing_one(tmp_path,
-                                                                           monkeypatch):
-    """Every row is on disk before the next configuration starts; a failing configuration
-    leaves an error row and the suite goes on; a run that dies keeps what it measured."""
-    seen = []
-
-    def measure(model, precision, ctx):
-        assert len(read_jsonl(tmp_path / "gpu.jsonl") if seen else []) == len(seen)
-        seen.append(precision)
-        if precision == "mixed_float16":
-            raise FloatingPointError("overflow in the first step\nsecond line")
-        if precision == "fp32_highest":
-            raise KeyboardInterrupt  # the process is killed here
-        return {"step_ms": 2.0 if precision == "bare_bf16" else 4.0, "flops": 1e9,
-                "loss": 1.0, "skipped_steps": None if precision == "bare_bf16" else 0}
-    monkeypatch.setattr(gpu, "measure", measure)
-    with pytest.raises(KeyboardInterrupt):
-        main(["gpu", "--tiny", "--models", "bert_large", "--precisions",
-              "fp32_highest,mixed_float16,fp32_default,bare_bf16", "--out", str(tmp_path)])
-    assert seen == ["bare_bf16", "fp32_default", "mixed_float16", "fp32_highest"]
-    rows = read_jsonl(tmp_path / "gpu.jsonl")
-    assert [(r["precision"], r["error"]) for r in rows] == [
-        ("bare_bf16", None), ("fp32_default", None),
-        ("mixed_float16", "FloatingPointError: overflow in the first step")]
-    assert rows[2].get("per_s") is None and rows[2]["model"] == "bert_large"
-    # The report is rendered from what is on disk.
-    main(["gpu", "--render-only", "--out", str(tmp_path)])
-    rows = {r["precision"]: r for r in read_jsonl(tmp_path / "gpu.jsonl")}
-    assert rows["fp32_default"]["time_vs_bare_bf16"] == 2.0
-    assert rows["bare_bf16"]["vs_fp32_default"] == 2.0
-    assert rows["bare_bf16"]["vs_fp32_highest"] is None  # its row never got measured
-    assert "FloatingPointError: overflow in the first step" in (tmp_path / "gpu.md").read_text()
-
-
-def test_gpu_suite_fails_loudly_without_a_gpu(tmp_path, capsys):
-    if jax.devices()[0].platform == "gpu":
-        pytest.fail("these tests run on the CPU")
-    with pytest.raises(SystemExit) as e:
-        main(["gpu", "--out", str(tmp_path)])
-    assert "JAX is on cpu" in str(e.value.code) and "--tiny" in str(e.value.code)
-    printed = capsys.readouterr().out
-    assert printed.startswith("## gpu: cpu") and f"- jax: {jax.__version__}" in printed
-    assert not (tmp_path / "gpu.jsonl").exists()
-    # Under `python -m benchmarks all` it says so and skips, so the CPU suites still run.
-    assert gpu._check_device(argparse.Namespace(tiny=False, via_all=True)) is False
-    assert "Skipped under `all`" in capsys.readouterr().out
-
-
-def test_gpu_suite_peaks_memory_and_flops_survive_what_xla_leaves_out():
-    assert gpu.datasheet_peak(gpu.PRECISIONS["mixed_bfloat16"], "NVIDIA H200", {})[0] == 989e12
-    fp32_default, fp32_highest = gpu.PRECISIONS["fp32_default"], gpu.PRECISIONS["fp32_highest"]
-    assert gpu.datasheet_peak(fp32_highest, "NVIDIA H100 80GB HBM3", {})[0] == 67e12
-    # The default precision is TF32 only where the fp32 matmul ran faster than fp32 can.
-    assert gpu.datasheet_peak(fp32_default, "NVIDIA H200", {"float32/default": 400e12})[0] == \
-        494e12
-    assert gpu.datasheet_peak(fp32_default, "NVIDIA H200", {"float32/default": 60e12})[0] == \
-        67e12
-    assert gpu.datasheet_peak(fp32_default, "NVIDIA H200", {})[0] is None
-    assert gpu.datasheet_peak(fp32_default, "NVIDIA A100-SXM4-80GB", {})[0] is None
-
-    class Compiled:
-        def __init__(self, cost=None, memory=None):
-            self.cost, self.memory = cost, memory
-
-        def cost_analysis(self):
-            if isinstance(self.cost, Exception):
-                raise self.cost
-            return self.cost
-
-        def memory_analysis(self):
-            return self.memory
-    for cost in (None, [], {"flops": -1.0}, [{"flops": 0.0}], {}, RuntimeError("no")):
-        assert gpu.xla_flops(Compiled(cost=cost)) is None
-    assert gpu.xla_flops(Compiled(cost=[{"flops": 5.0}])) == 5.0
-    assert gpu.compiled_memory(Compiled()) == {"mem_gb": None, "xla_peak_gb": None}
-    stats = argparse.Namespace(argument_size_in_bytes=4e9, output_size_in_bytes=3e9,
-                               alias_size_in_bytes=2.5e9, temp_size_in_bytes=1e9)
-    assert gpu.compiled_memory(Compiled(memory=stats)) == {"mem_gb": 5.5, "xla_peak_gb": None}
-    assert gpu.compiled_memory(Compiled(memory=argparse.Namespace(temp_size_in_bytes=1))) == \
-        {"mem_gb": None, "xla_peak_gb": None}
-    text = ("stablehlo.dot_general %a, %b, precision = [HIGHEST, HIGHEST]\n"
-            "stablehlo.convolution ... precision_config = [#stablehlo<precision DEFAULT>, "
-            "#stablehlo<precision DEFAULT>]")
-    assert gpu.dot_precisions(text) == "DEFAULT+HIGHEST" and gpu.dot_precisions("") == "none"
-
-
-def test_gpu_suite_torch_rows_on_a_stand_in_for_torchvision(tmp_path, monkeypatch):
-    """The torch rows' recipe (autocast, GradScaler, the FLOP counter, the skip count) on the
-    CPU, with a small convolutional net in torchvision's place (torchvision is not installed
-    here)."""
-    if importlib.util.find_spec("torch") is None:   # what a machine without torch gets
-        _check_torch_rows_say_torch_is_missing(tmp_path)
-        return
-    import types
-
-    import torch
-
-    def resnet50():
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
-                                   torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                                   torch.nn.Flatten(), torch.nn.Linear(8, 1000))
-    monkeypatch.setitem(sys.modules, "torchvision",
-                        types.SimpleNamespace(models=types.SimpleNamespace(resnet50=resnet50)))
-    main(["gpu", "--tiny", "--models", "resnet50", "--precisions",
-          "mixed_bfloat16,mixed_float16,torch_amp_bf16,torch_amp_fp16", "--out", str(tmp_path)])
-    by = {r["precision"]: r for r in read_jsonl(tmp_path / "gpu.jsonl")}
-    for name, dtype in (("torch_amp_bf16", "mixed_bfloat16"), ("torch_amp_fp16", "mixed_float16")):
-        r = by[name]
-        assert r["error"] is None and r["per_s"] > 0 and r["flops"] > 0 and r["tflops"] > 0
-        assert r["peak_class"] == ("float16/default" if "fp16" in name else "bfloat16/default")
-        assert r["jaxamp_vs_torch"] == pytest.approx(by[dtype]["per_s"] / r["per_s"])
-        assert r["skipped_steps"] == (0 if "fp16" in name else None) and np.isfinite(r["loss"])
-        assert r["live_peak_gb"] is None  # CUDA only
-
-
-def test_gpu_sh_runs_both_halves_and_the_report(tmp_path):
-    """``bash benchmarks/gpu.sh --tiny`` end to end on the CPU, then with a first half that
-    fails: the second half still runs and the exit status says so."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHON": sys.executable,
-           "OUT": str(tmp_path / "out")}
-    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
-    args = ["bash", "benchmarks/gpu.sh", "--tiny", "--precisions",
-            "mixed_bfloat16,fp32_default,autocast_bf16,torch_amp_bf16"]
-    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "out"
-    rows = read_jsonl(out / "gpu.jsonl")
-    assert [(r["model"], r["precision"]) for r in rows] == [
-        ("resnet50", "mixed_bfloat16"), ("resnet50", "torch_amp_bf16"),
-        ("resnet50", "fp32_default"), ("bert_large", "mixed_bfloat16"),
-        ("bert_large", "fp32_default"), ("nnx_gpt", "autocast_bf16"),
-        ("nnx_gpt", "fp32_default")]
-    assert all(r["error"] is None and r["vs_fp32_default"] > 0 for r in rows
-               if r["precision"] != "torch_amp_bf16")
-    runs = read_jsonl(out / "gpu_runs.jsonl")
-    assert [r["models"] for r in runs] == [["resnet50"], ["bert_large", "nnx_gpt"]]
-    for r in runs:
-        assert r["env"]["JAX_PLATFORMS"] == "cpu"
-        assert r["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.78"
-    text = (out / "gpu.md").read_text()
-    assert "- Run 2 (" in text and "| nnx_gpt | autocast_bf16 |" in text
-    assert (out / "gpu.png").stat().st_size > 1000
-    assert "resnet50 / mixed_bfloat16:" in (out / "gpu_first.log").read_text()
-    assert "nnx_gpt / autocast_bf16:" in (out / "gpu_second.log").read_text()
-
-    env = {**env, "OUT": str(tmp_path / "failed"), "GPU_FIRST": "--models no_such_model",
-           "GPU_SECOND": "--models nnx_gpt"}
-    proc = subprocess.run(["bash", "benchmarks/gpu.sh", "--tiny", "--precisions",
-                           "fp32_default"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 2 and "the first half exited with 2" in proc.stderr
-    rows = read_jsonl(tmp_path / "failed" / "gpu.jsonl")
-    assert [(r["model"], r["precision"], r["error"]) for r in rows] == [
-        ("nnx_gpt", "fp32_default", None)]
-
-
 def test_peer_steps_compute_the_same_first_loss_and_train(tiny_runs):
     """A fair comparison: every variant trains the same model on the same batch, for real."""
     out, _ = tiny_runs
@@ -429,21 +227,6 @@ def test_autocast_step_suite_compares_the_users_model_with_the_reference(tiny_ru
     assert by["user's model, mixed_bfloat16 (trap)"]["bf16_share"] == 0.0
     # Autocast saves less than the trap, which saves more than fp32 would in bf16.
     assert by["user's model + autocast"]["saved_mb"] < 0.5 * by["user's model, fp32"]["saved_mb"]
-
-
-def _check_torch_rows_say_torch_is_missing(out):
-    main(["gpu", "--tiny", "--models", "resnet50", "--precisions",
-          "mixed_bfloat16,torch_amp_bf16,torch_amp_fp16", "--out", str(out)])
-    by = {r["precision"]: r for r in read_jsonl(out / "gpu.jsonl")}
-    assert by["mixed_bfloat16"]["error"] is None and by["mixed_bfloat16"]["per_s"] > 0
-    for name in ("torch_amp_bf16", "torch_amp_fp16"):
-        assert by[name].get("per_s") is None and "torch" in by[name]["error"], by[name]
-
-
-def test_gpu_suite_torch_rows_are_error_rows_without_torch(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", None)   # import torch raises ImportError
-    monkeypatch.setitem(sys.modules, "torchvision", None)
-    _check_torch_rows_say_torch_is_missing(tmp_path)
 
 
 def test_zero_suite_shards_the_state_and_reduces_in_fp32(tiny_runs):

@@ -88,7 +88,7 @@ def config_of(name: str, *, num_classes: int | None = None, vocab: int | None = 
 
 
 def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
-          vocab: int | None = None, seed: int = 0,
+          vocab: int | None = None, seed: int | jax.Array = 0,
           fp8: jaxamp.fp8.DelayedScaling | None = None, **overrides: Any) -> nnx.Module:
     """Builds model ``name`` computing in ``policy``'s compute dtype, with fp32 params.
 
@@ -103,7 +103,10 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
       policy: anything ``jaxamp.get_policy`` accepts.
       num_classes: the ResNet classifier's size.
       vocab: a transformer's vocabulary size.
-      seed: seeds the param init.
+      seed: seeds the param init: an int, or a ``jax.random.key``. Under ``jax.jit`` pass
+        the key as an argument of the jitted function: a seed fixed at trace time makes
+        every random draw a compile-time constant, and XLA then folds the whole
+        initialisation into constants (minutes to compile a GPT on a GPU).
       fp8: a ``jaxamp.fp8.DelayedScaling`` recipe: every matmul of a BERT or GPT runs in FP8
         with delayed scaling (its metadata is in :func:`split`'s model state). ResNets are
         convolutions, which FP8 does not cover.
