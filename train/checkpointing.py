@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 import jaxamp
 
@@ -32,8 +33,9 @@ def _leaf_specs(tree: Any) -> dict[str, str]:
 def check_checkpoint_matches(path: str, state: Any) -> None:
     """Raises :class:`CheckpointMismatch` unless the saved state at ``path`` has the leaves,
     shapes and dtypes of ``state``. Reads only the checkpoint's metadata."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        meta = checkpointer.metadata(path)
+    # The item's own handler: a StandardCheckpointer looks for a step's _CHECKPOINT_METADATA in
+    # the item's folder (the manager writes it one level up) and logs a warning at each resume.
+    meta = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
     meta = getattr(meta, "item_metadata", meta)
     saved, wanted = _leaf_specs(getattr(meta, "tree", meta)), _leaf_specs(state)
     diffs = [f"{k!r} is {saved[k]} in the checkpoint but {wanted[k]} in this run"
