@@ -8,7 +8,7 @@ export JAX_PLATFORMS := cpu
 export MPLBACKEND := Agg
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: test demo bench lint typecheck docs dist clean
+.PHONY: test test-newest demo bench lint typecheck docs dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,33 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 jaxamp tests
+
+# The library's unit tests and doctests on the newest jax, flax and optax the registry serves,
+# on Python 3.12 (jax 0.12 needs it), in their own environment: .venv-newest, built when it is
+# missing or pyproject.toml changes, with `pip install --upgrade` of the four. `make test` runs
+# everything on the pinned floor (jax 0.10.2 on this machine's Python 3.11).
+PYTHON_NEWEST ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) \
+                             $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null))
+VENV_NEWEST := .venv-newest
+STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+UNIT_TESTS := tests/test_policy.py tests/test_loss_scale.py tests/test_master_weights.py \
+	tests/test_wrapping.py tests/test_gradients.py tests/test_overflow.py tests/test_autocast.py \
+	tests/test_auditing.py tests/test_storage.py tests/test_train_step.py tests/test_sharding.py \
+	tests/test_parallel.py tests/test_fp8.py tests/test_ops.py tests/test_jax_apis.py
+
+$(STAMP_NEWEST): pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test-newest: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
+	rm -rf $(VENV_NEWEST)
+	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEWEST)/bin/python -m pip install --quiet -e '.[dev,train]'
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxlib flax optax
+	$(VENV_NEWEST)/bin/python -c "import jax, flax, optax; print('newest:', 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
+	touch $(STAMP_NEWEST)
+
+test-newest: $(STAMP_NEWEST)
+	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		-p no:cacheprovider jaxamp $(UNIT_TESTS)
 
 lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples docs/_ext
@@ -53,4 +80,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks torch
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis runs site dist .cache
+	rm -rf $(VENV) $(VENV_NEWEST) .pytest_cache .hypothesis runs site dist .cache
