@@ -35,6 +35,16 @@ def _wheel(dist: pathlib.Path) -> pathlib.Path:
     return wheel
 
 
+def test_twine_check_strict_passes_on_both_files(dist):
+    """What `make dist` runs after the build; CI runs it here, once."""
+    files = sorted(str(p) for p in dist.iterdir())
+    assert len(files) == 2, files
+    twine = pathlib.Path(sys.executable).parent / "twine"
+    result = subprocess.run([str(twine), "check", "--strict", *files], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.count("PASSED") == 2, result.stdout
+
+
 def test_wheel_holds_the_library_and_nothing_else(dist):
     names = zipfile.ZipFile(_wheel(dist)).namelist()
     assert "jaxamp/py.typed" in names and "jaxamp/__init__.py" in names

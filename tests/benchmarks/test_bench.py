@@ -30,12 +30,13 @@ def read_jsonl(path):
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    """Every suite but gpu at --tiny (tests/benchmarks/test_gpu_suite.py runs gpu's, in a
-    process without jmp, equinox and torch, on the other xdist worker)."""
+    """Every suite at --tiny but gpu and long_fp16, which their own modules run once
+    (test_gpu_suite.py in a process without jmp, equinox and torch; test_long_fp16.py for 600
+    steps), on the other xdist worker."""
     out = tmp_path_factory.mktemp("bench")
     results = {}
     for name in SUITES:
-        if name != "gpu":
+        if name not in ("gpu", "long_fp16"):
             results.update(main([name, "--tiny", "--out", str(out)]))
     return out, results
 

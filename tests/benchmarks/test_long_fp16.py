@@ -1,19 +1,22 @@
 """A short version of ``python -m benchmarks long_fp16``: hundreds of fp16 steps whose dynamic
-loss scale grows into real overflows and backs off many times, against the fp32 run."""
+loss scale grows into real overflows and backs off many times, against the fp32 run. (The
+suite's only run in the tests: test_bench.py's tiny runs leave it to this module.)"""
 
 import numpy as np
 import pytest
 from helpers import reference_sequence
 
-from benchmarks import long_fp16
+from benchmarks.__main__ import main
 
 # Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
 pytestmark = pytest.mark.xdist_group("long_fp16")
 
 
 @pytest.fixture(scope="module")
-def figures():
-    return long_fp16.report(steps=600, growth_interval=10)
+def figures(tmp_path_factory):
+    out = tmp_path_factory.mktemp("long_fp16")
+    return main(["long_fp16", "--steps", "600", "--growth-interval", "10", "--out",
+                 str(out)])["long_fp16"]
 
 
 def test_the_scale_cycles_and_stays_finite_and_positive(figures):
