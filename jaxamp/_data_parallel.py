@@ -241,8 +241,37 @@ def reduce(dp: DataParallel, grads: Any, specs: Any, dtype: Any) -> Any:
         dim = _dim(spec)
         if dim is None:
             return lax.pmean(g, dp.names)
-        return lax.psum_scatter(g, dp.names, scatter_dimension=dim, tiled=True) / dp.size
+        return _psum_scatter(dp, g, dim) / dp.size
     return jax.tree.map(one, grads, specs)
+
+
+def _psum_scatter(dp: DataParallel, g: jax.Array, dim: int) -> jax.Array:
+    """The sum of ``g`` over the data axis, each device keeping its tile of dimension ``dim``.
+
+    On a mesh with other ``Explicit`` axes (data x model), the ``shard_map`` over the data axis
+    is partly manual, and JAX cannot lower ``psum_scatter`` there: jax 0.11 and 0.12 build the
+    reducer's scalar type from the operand's type, sharding spec and all ("Length of
+    sharding.spec (2) must be equal to aval's ndim (0)"), and jax 0.10 fails on an operand
+    split over the other axes. The collective then runs in a nested ``shard_map`` that is
+    manual over those axes too: on each device's own block, so that the result keeps the
+    operand's split over them, with ``dim`` made whole over them first (the master is split
+    there over the data axis alone).
+    """
+    def scatter(x):
+        return lax.psum_scatter(x, dp.names, scatter_dimension=dim, tiled=True)
+    mesh = jax.sharding.get_abstract_mesh()
+    others = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                       if t == AxisType.Explicit)
+    if not others:
+        return scatter(g)
+    given = tuple(dp.sharding_of(g).spec)
+    entries = list(given + (None,) * (g.ndim - len(given)))
+    entries[dim] = None
+    spec = PartitionSpec(*entries)
+    if given != tuple(entries):
+        g = jax.sharding.reshard(g, NamedSharding(mesh, spec))
+    return jax.shard_map(scatter, mesh=mesh, in_specs=spec, out_specs=spec,
+                         axis_names=others)(g)
 
 
 def sync(dp: DataParallel, tree: Any) -> Any:

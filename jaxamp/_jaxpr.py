@@ -19,8 +19,8 @@ import jax
 import jaxlib
 from jax.extend.core import Literal
 
-__all__ = ["Literal", "environment", "evaluate", "is_backward", "nested_stack", "scope", "walk",
-           "walk_levels", "where"]
+__all__ = ["Literal", "environment", "evaluate", "is_backward", "nested_stack", "scan_layout",
+           "scope", "walk", "walk_levels", "where", "while_layout"]
 
 # Frames in these folders are not the user's: JAX itself and Python's standard library.
 _JAX_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))
@@ -107,6 +107,46 @@ def scope(eqn: Any, outer: str = "") -> str:
     if not parts:
         return ""
     return "/".join(parts) + (" [backward]" if is_backward(eqn, outer) else "")
+
+
+def scan_layout(eqn: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation, whose operands are its constants,
+    then its carry, then the arrays it scans over (and whose outputs are the carry, then the
+    stacked ys).
+
+    JAX has no public accessor for this layout, and its params changed: up to jax 0.10 they
+    hold the counts ``num_consts`` and ``num_carry``; from jax 0.11 they hold ``ft_in``, a
+    flat tree of the three groups of operands whose ``unpack()`` gives them. That object's
+    class is private (``jax._src.flattree``); it is reached through the equation, never
+    imported, and tests/test_jax_apis.py pins both layouts.
+
+    Raises:
+      NotImplementedError: a JAX whose scan params hold neither.
+    """
+    params = eqn.params
+    if "num_consts" in params and "num_carry" in params:  # jax <= 0.10
+        return int(params["num_consts"]), int(params["num_carry"])
+    groups = params.get("ft_in")  # jax >= 0.11
+    if groups is not None and hasattr(groups, "unpack"):
+        consts, carry, _ = groups.unpack()
+        return len(consts), len(carry)
+    raise NotImplementedError(
+        f"jaxamp cannot read the operand layout of a scan in jax {jax.__version__}: its "
+        f"params are {sorted(params)}, with neither num_consts/num_carry (jax <= 0.10) nor "
+        "ft_in (jax 0.11 to 0.12); use a JAX in that range, or report it to jaxamp")
+
+
+def while_layout(eqn: Any) -> tuple[int, int]:
+    """``(cond_nconsts, body_nconsts)`` of a ``while`` equation, read from its structure rather
+    than from params of those names: its operands are the condition's constants, the body's,
+    then the carry, as many as its outputs; each of its jaxprs takes its constants, then the
+    carry."""
+    n_carry = len(eqn.outvars)
+    cond, body = (getattr(j, "jaxpr", j) for j in (eqn.params["cond_jaxpr"],
+                                                   eqn.params["body_jaxpr"]))
+    return len(cond.invars) - n_carry, len(body.invars) - n_carry
+
+
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
     """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``."""
     name = eqn.primitive.name

@@ -168,8 +168,8 @@ def _residuals(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str]]
 
     ``jax.ad_checkpoint.print_saved_residuals`` is the public face of this list, but it only
     prints. The function behind it is private, so it is imported here under a guard (the
-    supported JAX range is pinned by tests/test_auditing.py); without it, the printed lines
-    are parsed instead.
+    JAX range it was checked in, 0.10.2 to 0.12, is pinned by tests/test_jax_apis.py); without
+    it, the printed lines are parsed instead.
     """
     try:
         from jax._src.ad_checkpoint import saved_residuals  # private: see the docstring

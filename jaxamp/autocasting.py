@@ -81,6 +81,8 @@ from jaxamp import fp8
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
+from jaxamp._jaxpr import scan_layout
+from jaxamp._jaxpr import while_layout
 from jaxamp._tree import is_floating_array
 from jaxamp.fp8 import fp8_dot_general
 from jaxamp.policy import get_policy
@@ -491,7 +493,7 @@ def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
     if not half_in or not _pure_elementwise_like(ctx, eqn, outer):
         return False
     if eqn.primitive.name == "convert_element_type":
-        return jnp.dtype(eqn.params["new_dtype"]) == jnp.float32
+        return jnp.dtype(eqn.outvars[0].aval.dtype) == jnp.float32
     return ctx.rule(eqn, nested_stack(eqn, outer)) == "float32"
 
 
@@ -688,7 +690,7 @@ def _is_half_broadcast(eqn: Any, invals: list) -> bool:
         return False
     x = invals[0]
     return (is_floating_array(x) and jnp.dtype(x.dtype) != jnp.float32
-            and math.prod(eqn.params["shape"]) > math.prod(x.shape))
+            and math.prod(eqn.outvars[0].aval.shape) > math.prod(x.shape))
 
 
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
@@ -718,7 +720,7 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
         invals = _broadcast_operands(eqn, invals)
     if rule != "original" and _is_half_broadcast(eqn, invals):
         x = invals[0]
-        return [_broadcast(x, tuple(eqn.params["shape"]),
+        return [_broadcast(x, tuple(eqn.outvars[0].aval.shape),
                            tuple(eqn.params["broadcast_dimensions"]), eqn.params.get("sharding"),
                            (tuple(x.shape), jnp.dtype(x.dtype)))]
     params = dict(eqn.params)
@@ -748,7 +750,7 @@ def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
 
 def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = scan_layout(eqn)
     consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
         invals[n_consts + n_carry:]
     body = _body(ctx, p["jaxpr"], stack)
@@ -770,7 +772,7 @@ def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
 
 def _while(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
     p = eqn.params
-    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    nc, nb = while_layout(eqn)
     cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
     cond, body = _body(ctx, p["cond_jaxpr"], stack), _body(ctx, p["body_jaxpr"], stack)
     return lax.while_loop(lambda c: cond(*cond_consts, *c)[0],

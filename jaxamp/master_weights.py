@@ -25,7 +25,10 @@ A non-finite step returns zero updates (``-0.0``, so that even signed zeros are 
 the master params, the compensation, the inner state (its step count included) and the rounding
 key bit-identical. How the step is skipped is ``skip=``: ``"cond"`` branches with ``lax.cond``
 (the optimizer does not run on a skipped step), ``"select"`` runs it on every step and keeps the
-old value of each leaf with ``jnp.where``; both give the same bits.
+old value of each leaf with ``jnp.where``. Given the same gradients, both skip the same steps,
+with the same bits on a skipped step and the same loss scale and counters on every step. An
+applied step is the same math in two different XLA programs, which may fuse and round it
+differently: equal to within rounding (a float32 ulp here and there), not bit for bit.
 
 A non-finite update is never applied, however many come in a row. When ``stall_after``
 consecutive steps are non-finite at the minimum loss scale (where backing off cannot help), the
@@ -684,8 +687,14 @@ def mixed_precision(
       skip: how a non-finite step is skipped. ``"cond"``: a ``lax.cond`` around the optimizer,
         which does not run on a skipped step and lets XLA update donated buffers in place;
         ``"select"``: the optimizer runs on every step and ``jnp.where`` keeps each leaf's
-        old value on a skipped one (no branch, so no predicate to bring to the host). Both
-        leave the master, the inner state and the working params bit-identical on a skip.
+        old value on a skipped one (no branch, so no predicate to bring to the host). Given
+        the same gradients, both skip the same steps, leave the master, the inner state and
+        the working params bit-identical on a skip, and keep the same loss scale and
+        counters. On an applied step they compute the same update, but XLA compiles each
+        into its own program and may fuse (and so round) it differently: the results agree
+        to within rounding, not bit for bit (on XLA:CPU, a float32 ulp here and there from
+        jax 0.12; an ill-conditioned update, such as Adam's for a near-zero second moment,
+        magnifies that), and such differences accumulate over the steps of a run.
         ``"auto"`` (default) is ``"cond"`` on every backend for now; the GPU suite of
         ``python -m benchmarks gpu`` times both on a GPU, which will decide.
       master: where the fp32 value of each half-precision param lives between steps.

@@ -180,6 +180,39 @@ def test_a_scan_over_layers_keeps_its_fp32_carry_and_runs_bf16_matmuls():
     np.testing.assert_allclose(ac(ws, X), f(ws, X), atol=5e-2)
 
 
+def _scanned_tanh(w, x):
+    h, _ = lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)
+    return h.sum()
+
+
+def _fori_tanh(w, x):  # static bounds: a scan with the loop counter in its carry
+    return lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w[i % 2]), x).sum()
+
+
+def _scan_with_consts(w, x):  # a closed-over array and an integer in the carry
+    c = jnp.full((8, 8), 0.05)
+
+    def step(carry, wi):
+        h, k = carry
+        return (jnp.tanh(h @ wi @ c), k + 1), h.sum()
+    (h, k), ys = lax.scan(step, (x, 0), w, reverse=True, unroll=2)
+    return h.sum() + ys.sum() + k
+
+
+@pytest.mark.parametrize("fn", [_scanned_tanh, _fori_tanh, _scan_with_consts])
+def test_a_jitted_scan_and_fori_loop_run_their_matmuls_in_the_compute_dtype(fn):
+    """The scan's operands are read as constants, carry and xs on every JAX version (the
+    params that say how many of each changed in jax 0.11)."""
+    w, x = jnp.ones((2, 8, 8)) * 0.1, jnp.ones((4, 8))
+    ac = jax.jit(jaxamp.autocast(fn, "mixed_bfloat16"))
+    np.testing.assert_allclose(ac(w, x), fn(w, x), rtol=1e-2)
+    assert matmul_dtypes(jaxamp.autocast(fn), w, x) == {"bfloat16"}
+    assert matmul_dtypes(grad_of(jaxamp.autocast(fn)), w, x) == {"bfloat16"}
+    np.testing.assert_allclose(jax.jit(jax.grad(ac))(w, x), jax.grad(fn)(w, x), rtol=5e-2,
+                               atol=5e-2)
+    assert jaxamp.audit(ac, w, x).matmul_flops_by_operands.keys() == {"bfloat16"}
+
+
 def test_while_and_cond_agree_on_dtypes():
     def f(w, x):
         h = x @ w
@@ -547,7 +580,7 @@ def test_scan_over_layers_stays_a_scan_with_an_fp32_carry(name):
     jaxpr = jax.make_jaxpr(jaxamp.autocast(loss_fn))(params, batch)
     scans = [e for e, _ in _jaxpr.walk(jaxpr) if e.primitive.name == "scan"]
     assert scans, "the layers were unrolled"
-    num_carry = scans[0].params["num_carry"]
+    _, num_carry = _jaxpr.scan_layout(scans[0])
     carry_dtypes = {jnp.dtype(v.aval.dtype) for v in scans[0].outvars[:num_carry]
                     if jnp.issubdtype(v.aval.dtype, jnp.floating)}
     assert carry_dtypes == {jnp.dtype(F32)}   # the residual stream, as the user wrote it

@@ -1,7 +1,8 @@
 """jaxamp leans on public JAX APIs, with one guarded private import (the saved-residuals list
-behind ``jax.ad_checkpoint.print_saved_residuals``). These tests pin the JAX range that import
-is known to work in, check the public fallback against it, and check that a diagnostic can
-never break a training step."""
+behind ``jax.ad_checkpoint.print_saved_residuals``) and one private object reached through a
+jaxpr (the operand layout of a ``scan``, whose params changed in jax 0.11). These tests pin the
+JAX range both are known to work in, check the public fallback against the import, and check
+that a diagnostic can never break a training step."""
 
 import types
 import warnings
@@ -11,15 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 
 import jaxamp
 from jaxamp import _jaxpr
 from jaxamp import auditing
 
-# The range the private import was checked in (0.10.2 here, 0.11.2 on the GPU machine). A JAX
-# outside it is not an error for users (the audit falls back to the public printer); it is a
-# reminder to check the import here before widening the range.
-TESTED = ((0, 10, 2), (0, 12, 0))
+# The range the private APIs were checked in: jax 0.10.2, 0.11.2 and 0.12.0.1, each with this
+# module's tests. A JAX outside it is not an error for users (the audit falls back to the
+# public printer; the scan's layout raises a clear error if neither known form is there); it
+# is a reminder to check both here before widening the range.
+TESTED = ((0, 10, 2), (0, 13, 0))
 
 
 def _version(text):
@@ -29,9 +32,11 @@ def _version(text):
 def test_the_jax_version_is_in_the_tested_range():
     low, high = TESTED
     assert low <= _version(jax.__version__) < high, (
-        f"jax {jax.__version__} is outside the range jaxamp's private import "
-        "(jax._src.ad_checkpoint.saved_residuals, jaxamp/auditing.py) was checked in; check "
-        "it and test_the_public_fallback_lists_the_same_residuals, then widen TESTED")
+        f"jax {jax.__version__} is outside the range jaxamp's private APIs "
+        "(jax._src.ad_checkpoint.saved_residuals in jaxamp/auditing.py, a scan's ft_in in "
+        "jaxamp/_jaxpr.py) were checked in; check them with "
+        "test_the_public_fallback_lists_the_same_residuals and "
+        "test_the_layout_of_a_scan_is_read_from_its_params, then widen TESTED")
 
 
 def _model(w, x):
@@ -47,6 +52,42 @@ def test_the_public_fallback_lists_the_same_residuals():
               for a, d in auditing._printed_residuals(_model, args, {})]
     assert parsed == private
     assert any(d == jnp.bfloat16 for d, _, _ in parsed)
+
+
+def test_the_layout_of_a_scan_is_read_from_its_params():
+    """``_jaxpr.scan_layout``: ``num_consts``/``num_carry`` up to jax 0.10, the flat tree
+    ``ft_in`` (a private class, reached through the equation) from jax 0.11."""
+    def f(x, xs):
+        c = jnp.sin(x)  # a traced value closed over: one constant of the scan
+
+        def step(carry, x):
+            h, k = carry
+            return (h + x * c, k + 1), h
+        return lax.scan(step, (x, 0), xs)
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((2, 3)))
+    eqn = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    assert _jaxpr.scan_layout(eqn) == (1, 2)
+    assert len(eqn.invars) == 1 + 2 + 1 and len(eqn.outvars) == 2 + 1
+    assert ("num_consts" if _version(jax.__version__) < (0, 11) else "ft_in") in eqn.params
+    unknown = types.SimpleNamespace(params={"length": 2, "jaxpr": None})
+    with pytest.raises(NotImplementedError, match="operand layout of a scan"):
+        _jaxpr.scan_layout(unknown)
+
+
+def test_the_layout_of_a_while_loop_is_read_from_its_structure():
+    """``_jaxpr.while_layout`` counts the constants from the jaxprs' inputs, and agrees with
+    the params ``cond_nconsts``/``body_nconsts`` where a JAX has them (all up to 0.12)."""
+    def f(x, n):
+        c = jnp.sin(x)
+        return lax.while_loop(lambda s: s[1] < n, lambda s: (s[0] * c, s[1] + 1), (x, 0))
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(3), 4)
+    eqn = next(e for e in jaxpr.eqns if e.primitive.name == "while")
+    assert _jaxpr.while_layout(eqn) == (1, 1)
+    if "cond_nconsts" in eqn.params:
+        assert _jaxpr.while_layout(eqn) == (eqn.params["cond_nconsts"],
+                                            eqn.params["body_nconsts"])
 
 
 def test_where_names_the_user_line_and_survives_missing_source_info():

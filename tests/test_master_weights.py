@@ -268,12 +268,27 @@ def test_never_applies_a_nonfinite_update():
 _POISON_SEQUENCE = [1.0, 1.0, np.inf, 1.0, np.nan, np.nan, 1.0, 1.0, 1.0, -np.inf, 1.0]
 
 
+def _poisoned_batch(batch, poison):
+    return {**batch, "poison": np.where(np.arange(len(batch["poison"])) == 3,
+                                        np.float32(poison), batch["poison"])}
+
+
+def _skip_loss_scale(policy_name):
+    return (jaxamp.DynamicLossScale(growth_interval=2) if policy_name == "mixed_float16"
+            else None)
+
+
+def _sgd_chain():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2),
+                       optax.sgd(optax.linear_schedule(1e-2, 1e-3, 8), momentum=0.9,
+                                 nesterov=True))
+
+
 def _skip_trajectory(skip, policy_name, inner):
     """``(arrays of the TrainState, metrics, params, optax state)`` after each step of
     ``_POISON_SEQUENCE`` under ``skip=``, through ``make_train_step`` and ``tx.update``."""
-    loss_scale = (jaxamp.DynamicLossScale(growth_interval=2) if policy_name == "mixed_float16"
-                  else None)
-    tx = jaxamp.mixed_precision(inner, policy_name, loss_scale=loss_scale, skip=skip)
+    tx = jaxamp.mixed_precision(inner, policy_name, loss_scale=_skip_loss_scale(policy_name),
+                                skip=skip)
     batch = make_batch()
     step = jax.jit(jaxamp.make_train_step(mse_loss))
     state = jaxamp.TrainState.create(params=init_params(), tx=tx)
@@ -282,8 +297,7 @@ def _skip_trajectory(skip, policy_name, inner):
     params = jaxamp.get_policy(policy_name).cast_params_to_compute(init_params())
     trajectory = []
     for poison in _POISON_SEQUENCE:
-        b = {**batch, "poison": np.where(np.arange(len(batch["poison"])) == 3,
-                                         np.float32(poison), batch["poison"])}
+        b = _poisoned_batch(batch, poison)
         state, metrics = step(state, b)
         grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.scale_loss(mse_loss(p, b), o))(
             params)
@@ -317,36 +331,78 @@ def _check_skips_and_scales(trajectory, policy_name):
     return skipped, scales
 
 
+def _is_float(x):
+    return jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+
+
+def _assert_tree_equal_to_rounding(a, b, eps):
+    """Same structure, dtypes and shapes; non-float leaves equal; each float leaf within
+    ``eps`` machine epsilons (of its dtype) of its largest magnitude: ``max|a - b| <= eps *
+    finfo.eps * max|b|``, the bound of a few roundings of the same math."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b),
+                            strict=True):
+        x, y, where = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), where
+        if not _is_float(x):
+            np.testing.assert_array_equal(x, y, err_msg=where)
+            continue
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        bound = eps * float(jnp.finfo(x.dtype).eps) * np.max(np.abs(y64), initial=0.0)
+        assert np.max(np.abs(x64 - y64), initial=0.0) <= bound, where
+
+
+def _exact_leaves(tree):
+    """The leaves that no rounding touches: counters, flags, keys."""
+    return [x for x in jax.tree.leaves(tree) if not _is_float(x)]
+
+
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16", "float32"])
-def test_select_skip_gives_the_bits_of_the_cond_skip(policy_name):
-    """skip="select" runs the optimizer on every step and keeps the old leaves with jnp.where:
-    the same params, master, inner state, loss scales and counters as lax.cond, bit for bit
-    (float32: the params work in their master dtype, the other branch of the update)."""
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2),
-                        optax.sgd(optax.linear_schedule(1e-2, 1e-3, 8), momentum=0.9,
-                                  nesterov=True))
-    runs = {skip: _skip_trajectory(skip, policy_name, inner)
+def test_select_skip_skips_the_steps_of_the_cond_skip_bit_for_bit(policy_name):
+    """skip="select" runs the optimizer on every step and keeps the old leaves with jnp.where;
+    skip="cond" branches. Both skip the same steps, each skipped step leaving the params,
+    master and inner state bit-identical, with the same loss scales and counters. (float32:
+    the params work in their master dtype, the other branch of the update.) "auto" is "cond":
+    the same program, the same bits on every step."""
+    runs = {skip: _skip_trajectory(skip, policy_name, _sgd_chain())
             for skip in ("cond", "select", "auto")}
     sequences = {skip: _check_skips_and_scales(t, policy_name) for skip, t in runs.items()}
     assert sequences["select"] == sequences["cond"] == sequences["auto"]
-    for skip in ("select", "auto"):
-        assert_tree_bitwise_equal(_without_norms(runs[skip]), _without_norms(runs["cond"]))
-        # The reported grad norm is an fp32 sum whose order follows the program's fusions.
-        np.testing.assert_allclose(_norms(runs[skip]), _norms(runs["cond"]), rtol=1e-6)
+    assert_tree_bitwise_equal(runs["auto"], runs["cond"])
+    assert_tree_bitwise_equal(_exact_leaves(runs["select"]), _exact_leaves(runs["cond"]))
 
 
-def _norms(trajectory):
-    return [[float(m["grad_norm"]), float(jaxamp.find_state(o).grad_norm)]
-            for _, m, _, o in trajectory]
-
-
-def _without_norms(trajectory):
-    def strip(opt_state):
-        return jax.tree.map(lambda x: x._replace(grad_norm=None)
-                            if isinstance(x, jaxamp.MixedPrecisionState) else x, opt_state,
-                            is_leaf=lambda x: isinstance(x, jaxamp.MixedPrecisionState))
-    return [((step, p, strip(o)), {k: v for k, v in m.items() if k != "grad_norm"}, q,
-             strip(s)) for (step, p, o), m, q, s in trajectory]
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16", "float32"])
+def test_select_skip_applies_a_step_as_the_cond_skip_does_up_to_rounding(policy_name):
+    """One step from the same state under both: a skipped step gives the same bits (zero
+    updates, the state as it was); an applied step is the same math in another XLA program,
+    whose fusions may round differently (one float32 ulp here and there on XLA:CPU from jax
+    0.12): each float leaf within 4 epsilons of its largest magnitude (measured: under 0.25
+    on jax 0.10 to 0.12), the counters and the loss scale exact. Not bit for bit."""
+    txs = {skip: jaxamp.mixed_precision(_sgd_chain(), policy_name,
+                                        loss_scale=_skip_loss_scale(policy_name), skip=skip)
+           for skip in ("cond", "select")}
+    updates = {skip: jax.jit(tx.update) for skip, tx in txs.items()}
+    policy = jaxamp.get_policy(policy_name)
+    params = policy.cast_params_to_compute(init_params())
+    opt_state = txs["cond"].init(init_params())
+    batch = make_batch()
+    for poison in _POISON_SEQUENCE:
+        b = _poisoned_batch(batch, poison)
+        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.scale_loss(mse_loss(p, b), o))(
+            params)
+        out = {}
+        for skip, update in updates.items():
+            new_updates, new_state = update(grads, opt_state, params)
+            out[skip] = (new_updates, new_state, optax.apply_updates(params, new_updates))
+        if np.isfinite(poison):
+            _assert_tree_equal_to_rounding(out["select"], out["cond"], eps=4)
+        else:
+            assert_tree_bitwise_equal(out["select"], out["cond"])
+            old, new = jaxamp.find_state(opt_state), jaxamp.find_state(out["select"][1])
+            assert_tree_bitwise_equal((new.master_params, new.inner_state, out["select"][2]),
+                                      (old.master_params, old.inner_state, params))
+        _, opt_state, params = out["cond"]
 
 
 @pytest.mark.parametrize("policy_name", ["mixed_float16", "float32"])
@@ -359,6 +415,7 @@ def test_select_skip_under_adamw_skips_the_same_steps_bit_for_bit(policy_name):
     select = _skip_trajectory("select", policy_name, inner)
     assert _check_skips_and_scales(cond, policy_name) == \
         _check_skips_and_scales(select, policy_name)
+    assert_tree_bitwise_equal(_exact_leaves(select), _exact_leaves(cond))
     for a, b in zip(jax.tree.leaves(cond), jax.tree.leaves(select), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
                                    rtol=1e-5, atol=1e-7)
