@@ -655,9 +655,15 @@ def kernel_fingerprint(compiled) -> dict[str, Any]:
         text = compiled.as_text()
     except Exception:
         return {"kernels": None, "hlo_sha": None}
-    kernels = sum("custom_call_target=" in line or '"__triton' in line
-                  for line in text.splitlines())
-    return {"kernels": kernels, "hlo_sha": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    # The instructions alone, without their source metadata (an executable loaded from JAX's
+    # persistent cache carries the source locations of the process that compiled it).
+    program = [_METADATA.sub("", line.strip()) for line in text.splitlines() if " = " in line]
+    kernels = sum("custom_call_target=" in line or '"__triton' in line for line in program)
+    return {"kernels": kernels,
+            "hlo_sha": hashlib.sha256("\n".join(program).encode()).hexdigest()[:16]}
+
+
+_METADATA = re.compile(r",? metadata=\{[^{}]*\}")
 
 
 def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
@@ -933,12 +939,14 @@ def run(args) -> list[dict]:
                 with _compiling_concurrently(ctx, model, [p for p, fits in group if fits],
                                              workers):
                     for precision, fits in group:
+                        budget.check()
                         current = (model, precision)
                         if not fits:
                             write(_not_run(model, precision, ctx, budget.why_not(model,
                                                                                   precision)))
                             continue
                         row = _row(model, precision, ctx)
+                        budget.check()  # a row the alarm cut short is not a finished row
                         budget.done(row)
                         write(row)
             current = None
@@ -984,6 +992,13 @@ class Budget:
     on_gpu: bool
     history: list[float] = dataclasses.field(default_factory=list)
     estimates: dict = dataclasses.field(default_factory=dict)
+    rung: bool = False  # the alarm went off
+
+    def check(self) -> None:
+        """Raises :class:`BudgetExceeded` once the alarm went off (its own raise can land in a
+        callback whose exceptions Python ignores, such as a garbage-collection hook)."""
+        if self.rung:
+            raise BudgetExceeded
 
     def left(self) -> float:
         return math.inf if self.seconds is None else self.seconds - (time.monotonic()
@@ -1019,6 +1034,8 @@ class Budget:
         self.history.append(row.get("seconds", 0.0))
 
     def why_not(self, model: str, precision: str) -> str:
+        if (model, precision) not in self.estimates:
+            return f"not run: --budget {self.seconds:g} s"
         need, left = self.estimates[(model, precision)]
         return (f"not run: --budget {self.seconds:g} s (estimate {need:.0f} s, "
                 f"{max(left, 0):.0f} s left)")
@@ -1031,6 +1048,7 @@ class Budget:
             return
 
         def ring(signum, frame):
+            self.rung = True
             raise BudgetExceeded
         previous = signal.signal(signal.SIGALRM, ring)
         signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1e-3))
