@@ -968,12 +968,18 @@ def h200_estimate(rows: dict[str, tuple[str, ...]], workers: int = 4) -> float:
     """Seconds that running ``rows`` (model -> precisions) in one process takes on an H200, by
     :data:`H200_SECONDS` and :data:`H200_STARTUP_SECONDS`: what makes the core set fit."""
     total = H200_STARTUP_SECONDS["process"]
+    budget = Budget(None, time.monotonic(), on_gpu=True)
     for model, precisions in rows.items():
-        budget = Budget(math.inf, time.monotonic(), on_gpu=True)
-        budget.fit(list(precisions), model, workers)
-        total += H200_STARTUP_SECONDS[model] + sum(budget.estimates[(model, p)][0]
+        concurrent = _speedup(precisions, workers)
+        total += H200_STARTUP_SECONDS[model] + sum(budget.estimate(model, p, concurrent)
                                                   for p in precisions)
     return total
+
+
+def _speedup(precisions, workers: int) -> int:
+    """What concurrent compiles of a model's JAX rows count as: they share the GPU (autotuning)
+    and the host, so at most 3, whatever the workers."""
+    return max(1, min(workers, sum(PRECISIONS[p].kind != "torch" for p in precisions), 3))
 
 
 class BudgetExceeded(BaseException):
@@ -1015,10 +1021,7 @@ class Budget:
     def fit(self, precisions: list[str], model: str, workers: int) -> list[tuple[str, bool]]:
         """``(precision, fits)`` for a model's rows, in order: a row fits while the estimates
         of it and of the rows before it that fit are within what is left."""
-        jax_rows = sum(PRECISIONS[p].kind != "torch" for p in precisions)
-        # Concurrent compiles share the GPU (autotuning) and the host: count a speed-up of at
-        # most 3, whatever the workers.
-        concurrent = max(1, min(workers, jax_rows, 3))
+        concurrent = _speedup(precisions, workers)
         used, left, out = 0.0, self.left(), []
         if self.on_gpu:  # its init, before its rows
             used = H200_STARTUP_SECONDS.get(model, 15.0)
