@@ -23,7 +23,7 @@ $(STAMP): $(PY) pyproject.toml
 TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 jaxamp tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests
 
 # The library's unit tests and doctests on the newest jax, flax and optax the registry serves,
 # on Python 3.12 (jax 0.12 needs it), in their own environment: .venv-newest, built when it is
@@ -50,7 +50,7 @@ $(STAMP_NEWEST): pyproject.toml
 
 test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
-		-p no:cacheprovider jaxamp $(UNIT_TESTS)
+		--durations=10 -p no:cacheprovider jaxamp $(UNIT_TESTS)
 
 lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples docs/_ext
