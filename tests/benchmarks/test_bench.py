@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 from helpers import ROOT
@@ -285,3 +286,14 @@ def test_master_numerics_suite_trains_each_option(tiny_runs):
     assert all(np.isfinite(r["eval_loss"]) for r in rows)
     # kahan keeps the fp32 value of every bf16 param: it trains as the master does.
     assert abs(runs[1]["vs_float32"]) < 1e-3
+
+
+def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
+    assert harness.supported_compiler_options(
+        xla_backend_optimization_level=0, xla_no_such_option_anywhere=True) == {
+        "xla_backend_optimization_level": 0}
+    # What the --tiny runs pass on this jax (jax 0.11 dropped xla_cpu_use_fusion_emitters).
+    options = harness.tiny_compiler_options(True)
+    assert options is not None and options["xla_backend_optimization_level"] == 0
+    assert set(options) <= set(harness._TINY_CPU_OPTIONS)
+    jax.jit(lambda x: x * 2).lower(1.0).compile(options)

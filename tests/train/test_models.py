@@ -331,3 +331,22 @@ def test_batch_norm_running_statistics():
     y = norm(x, train=False)
     assert y.dtype == BF16
     np.testing.assert_array_equal(norm.mean[...], before)
+
+
+@pytest.mark.parametrize("name", ["nnx_gpt_tiny", "resnet18_small"])
+def test_a_jitted_init_takes_its_key_as_an_argument(name):
+    """`build(seed=key)` inside `jax.jit` with the key as the argument: the same draws as an
+    int seed built op by op (to an ulp: the jitted program fuses the scaling of the draws), and
+    no random draw left for XLA to fold into constants."""
+    kw = dict(depth=1, width=16, heads=2, mlp=64, max_len=8, vocab=32) if "gpt" in name else \
+        dict(stage_sizes=(1,), width=8)
+
+    def init(key):
+        return models.split(models.build(name, seed=key, **kw))[1]
+    key = jax.random.key(3)
+    lowered = jax.jit(init).lower(key)
+    assert "rng" in lowered.as_text() or "threefry" in lowered.as_text()  # drawn at run time
+    jitted, eager = lowered.compile()(key), models.split(models.build(name, seed=3, **kw))[1]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jitted), jax.tree.leaves(eager),
+                            strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
