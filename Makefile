@@ -8,7 +8,7 @@ export JAX_PLATFORMS := cpu
 export MPLBACKEND := Agg
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: test test-newest demo bench lint typecheck docs dist clean
+.PHONY: test test-newest install-newest demo bench lint typecheck docs dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,14 @@ $(STAMP): $(PY) pyproject.toml
 # module-scoped fixture is one xdist group, run by one worker.
 TEST_WORKERS ?= 2
 
+# XLA:CPU compiles the floor's tests at LLVM -O0 (a quarter of the suite's time): every test
+# compares programs built the same way, or within a stated tolerance. `make test-newest` runs
+# the library's unit tests at XLA's defaults, the code generation users get.
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
+
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
+		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests
 
 # The library's unit tests and doctests on the newest jax, flax and optax the registry serves,
 # on Python 3.12 (jax 0.12 needs it), in their own environment: .venv-newest, built when it is
@@ -47,6 +53,8 @@ $(STAMP_NEWEST): pyproject.toml
 	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxlib flax optax
 	$(VENV_NEWEST)/bin/python -c "import jax, flax, optax; print('newest:', 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
 	touch $(STAMP_NEWEST)
+
+install-newest: $(STAMP_NEWEST)
 
 test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
