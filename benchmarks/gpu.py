@@ -301,12 +301,19 @@ def _init(case: dict, tiny: bool, policy: str = "float32",
         _, params, model_state = models.split(models.build(case["model"], policy, seed=key,
                                                            fp8=fp8, **case["kw"]))
         return params, model_state
+    def on(device):
+        with jax.default_device(device) if device is not None else contextlib.nullcontext():
+            key = jax.random.key(0)
+            options = None if device is not None else harness.tiny_compiler_options(tiny)
+            return jax.jit(init).lower(key).compile(options)(key)
     host, target = _host_device(), jax.devices()[0]
-    with jax.default_device(host) if host is not None else contextlib.nullcontext():
-        key = jax.random.key(0)
-        options = None if host is not None else harness.tiny_compiler_options(tiny)
-        out = jax.jit(init).lower(key).compile(options)(key)
-    return jax.device_put(out, target) if host is not None else out
+    if host is not None:
+        try:
+            return jax.device_put(on(host), target)
+        except Exception as e:  # the rows matter more than where their init ran
+            print(f"  init of {case['model']} on the host failed ({error_text(e)}); "
+                  f"initialising on {target.platform}", flush=True)
+    return on(None)
 
 
 def _host_device():

@@ -392,3 +392,15 @@ def test_gpu_suite_torch_rows_are_error_rows_without_torch(tmp_path, monkeypatch
     _check_torch_rows_say_torch_is_missing(tmp_path)
 
 
+
+
+def test_the_init_runs_on_the_host_and_moves_to_the_device(monkeypatch):
+    """With a CPU backend beside the GPU (gpu.sh's JAX_PLATFORMS=cuda,cpu) the params are drawn
+    by XLA:CPU and put on the GPU; here another CPU device stands in for the host."""
+    case = gpu._cases(tiny=True)["nnx_gpt"]
+    direct, _ = gpu._init(case, tiny=True)
+    monkeypatch.setattr(gpu, "_host_device", lambda: jax.devices()[1])
+    moved, _ = gpu._init(case, tiny=True)
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(direct), strict=True):
+        assert a.devices() == {jax.devices()[0]}
+        np.testing.assert_allclose(a, b, rtol=1e-6)  # the host compiles at -O2, --tiny at -O0
