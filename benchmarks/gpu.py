@@ -1079,31 +1079,29 @@ def _not_run(model: str, precision: str, ctx: Context, why: str) -> dict:
 
 @contextlib.contextmanager
 def _compiling_concurrently(ctx: Context, model: str, precisions: list[str], workers: int):
-    """Compiles the JAX rows of ``model`` on ``workers`` threads while the rows are timed one
-    by one in the main thread, each waiting for its own compile (``ctx.compiling``).
+    """Compiles the JAX rows of ``model`` on ``workers`` threads, then yields: the rows are
+    timed one by one afterwards, each taking its compiled step from ``ctx.compiling``.
 
-    Lowering (Python tracing) runs here, one row after another; XLA's compile releases the
-    GIL. On a GPU the autotuner times candidate kernels on the device, so no row is timed
-    until every compile of the model is done (see ``kernel_fingerprint`` to compare the
-    kernels against ``--compile-workers 1``)."""
+    Lowering (Python tracing) runs here, one row after another, while the rows lowered before
+    compile (XLA's compile releases the GIL). On a GPU the autotuner times candidate kernels
+    on the device, so no row is timed until every compile of the model is done (see
+    ``kernel_fingerprint`` to compare the kernels against ``--compile-workers 1``)."""
     jax_rows = [p for p in precisions if PRECISIONS[p].kind != "torch"]
     if workers <= 1 or len(jax_rows) <= 1:
         yield
         return
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
     try:
-        lowered = {}
+        lowered, t0 = {}, time.perf_counter()
         for p in jax_rows:
             prec = PRECISIONS[p]
             future: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                ready = compile_jax(model, prec, ctx,
-                                    compile_fn=lambda fn: pool.submit(fn))
+                ready = compile_jax(model, prec, ctx, compile_fn=pool.submit)
                 lowered[prec] = (ready, future)
             except Exception as e:  # its row fails when it is measured
                 future.set_exception(e)
             ctx.compiling[(model, prec)] = future
-        t0 = time.perf_counter()
         for ready, future in lowered.values():
             try:
                 compiled, compile_s = ready.compiled.result()
@@ -1111,8 +1109,8 @@ def _compiling_concurrently(ctx: Context, model: str, precisions: list[str], wor
                                                       compile_s=compile_s))
             except Exception as e:
                 future.set_exception(e)
-        print(f"  {model}: {len(jax_rows)} JAX rows compiled on {workers} threads in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"  {model}: {len(jax_rows)} JAX rows lowered and compiled on {workers} threads "
+              f"in {time.perf_counter() - t0:.1f} s", flush=True)
         yield
     finally:
         for key in [k for k in ctx.compiling if k[0] == model]:
