@@ -40,6 +40,12 @@ export PYTHONPATH=.
 # XLA:GPU in tens of seconds: benchmarks/gpu.py, _init).
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
 export MPLBACKEND=Agg
+# XLA:GPU's autotuner keeps what it measured for each fusion under OUT/autotune: a model's rows
+# share most of their matmuls (mixed_bfloat16, _select, _kahan and bare_bf16 differ around
+# them), and a fusion tuned once is read back instead of timed again, in this command and the
+# next. Every kernel is still the autotuner's choice; only repeated tuning is saved (the
+# arithmetic in BENCHMARKS.md does not count on it). Harmless on a CPU.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$OUT/autotune"
 # JAX preallocates this fraction of the GPU's memory (139 GiB on the H200) for its pool, and
 # torch, in the same process, gets only what is left. The largest JAX row is BERT-Large at
 # 64 x 512 in fp32: 96.75 GB compiled on the H200 (90 GiB). 0.78 gives JAX 108 GiB and leaves
@@ -54,7 +60,7 @@ case $SET in
         echo "gpu.sh: SET=$SET: expected core, extended or all" >&2
         exit 2 ;;
 esac
-mkdir -p "$OUT"
+mkdir -p "$OUT/autotune"
 
 echo "== gpu.sh: $PYTHON -m benchmarks gpu --set $SET --budget $BUDGET --append --out $OUT $*"
 timeout $((${BUDGET%.*} + 30)) "$PYTHON" -m benchmarks gpu --set "$SET" --budget "$BUDGET" \

@@ -362,6 +362,7 @@ def test_gpu_sh_runs_a_set_per_command_and_the_report(tmp_path):
     for r in runs:
         assert r["env"]["JAX_PLATFORMS"] == "cpu"
         assert r["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.78"
+        assert f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune" in r["env"]["XLA_FLAGS"]
     text = (out / "gpu.md").read_text()
     assert "- Run 2 (" in text and "| nnx_gpt | autocast_bf16 |" in text
     assert (out / "gpu.png").stat().st_size > 1000
