@@ -1,7 +1,9 @@
 """Suite ``gpu``: throughput, MFU and memory of ResNet-50, BERT-Large and a user's GPT on a GPU.
 
-    bash benchmarks/gpu.sh                       # the whole suite in two halves, under $OUT
-    python -m benchmarks gpu [--models resnet50,bert_large,nnx_gpt] [--precisions ...]
+    bash benchmarks/gpu.sh                       # the core set, within 9 minutes, under $OUT
+    SET=extended bash benchmarks/gpu.sh          # the other rows, appended
+    python -m benchmarks gpu [--set core|extended|all] [--models resnet50,bert_large,nnx_gpt]
+                             [--precisions ...] [--budget SECONDS] [--compile-workers N]
                              [--steps 20] [--seconds 5] [--append] [--render-only]
     python -m benchmarks gpu --tiny              # every configuration at a tiny size, any device
 
