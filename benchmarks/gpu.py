@@ -353,7 +353,7 @@ class Built:
     audited: Callable[[Any, Any], jax.Array]  # the scalar loss of (working params, batch)
     working: Any  # the working params, for the audit
     make_state: Callable[[], Any]  # the concrete state, built when the row is timed
-    compile_state: Callable[[], Any] = lambda: None  # compiles make_state's program
+    compile_state: Callable[[], Any]  # compiles make_state's program
 
 
 def _build(case: dict, prec: Precision, params, model_state, options: dict | None) -> Built:
@@ -766,15 +766,20 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
 
+def _row_head(model: str, precision: str, ctx: Context) -> dict[str, Any]:
+    """What a configuration's row says of it before it runs."""
+    prec, case = PRECISIONS[precision], ctx.cases[model]
+    return {"model": model, "precision": precision, "label": f"{model} {precision}",
+            "description": prec.description,
+            "built_as": "torchvision resnet50" if prec.kind == "torch" else case["model"],
+            "batch": case["batch"], "unit": UNITS[case["kind"]], "policy": prec.policy,
+            "skip": prec.skip, "error": None}
+
+
 def _row(model: str, precision: str, ctx: Context) -> dict:
     """One configuration's row, an error row if it fails."""
     prec, case = PRECISIONS[precision], ctx.cases[model]
-    row: dict[str, Any] = {
-        "model": model, "precision": precision, "label": f"{model} {precision}",
-        "description": prec.description,
-        "built_as": "torchvision resnet50" if prec.kind == "torch" else case["model"],
-        "batch": case["batch"], "unit": UNITS[case["kind"]], "policy": prec.policy,
-        "skip": prec.skip, "error": None}
+    row = _row_head(model, precision, ctx)
     t0 = time.perf_counter()
     try:
         row.update(measure(model, precision, ctx))
@@ -942,8 +947,8 @@ def run(args) -> list[dict]:
     current = None
     with budget.alarm():
         try:
-            for model in dict.fromkeys(m for m, _ in plan):
-                group = budget.fit([p for m, p in plan if m == model], model, workers)
+            for model, precisions in by_model.items():
+                group = budget.fit(list(precisions), model, workers)
                 current = (model, group[0][0])
                 with _compiling_concurrently(ctx, model, [p for p, fits in group if fits],
                                              workers):
@@ -977,12 +982,20 @@ def h200_estimate(rows: dict[str, tuple[str, ...]], workers: int = 4) -> float:
     """Seconds that running ``rows`` (model -> precisions) in one process takes on an H200, by
     :data:`H200_SECONDS` and :data:`H200_STARTUP_SECONDS`: what makes the core set fit."""
     total = H200_STARTUP_SECONDS["process"]
-    budget = Budget(None, time.monotonic(), on_gpu=True)
     for model, precisions in rows.items():
-        concurrent = _speedup(precisions, workers)
-        total += H200_STARTUP_SECONDS[model] + sum(budget.estimate(model, p, concurrent)
+        speedup = _speedup(precisions, workers)
+        total += H200_STARTUP_SECONDS[model] + sum(h200_row_seconds(model, p, speedup)
                                                   for p in precisions)
     return total
+
+
+def h200_row_seconds(model: str, precision: str, speedup: int) -> float:
+    """One row's seconds on an H200 (:data:`H200_SECONDS`), a JAX row's compile divided by the
+    ``speedup`` of its model's concurrent compiles."""
+    compile_s, rest_s, _ = H200_SECONDS.get((model, precision), (60.0, 10.0, "unknown"))
+    if PRECISIONS[precision].kind != "torch":
+        compile_s /= speedup
+    return compile_s + rest_s
 
 
 def _speedup(precisions, workers: int) -> int:
@@ -1019,23 +1032,20 @@ class Budget:
         return math.inf if self.seconds is None else self.seconds - (time.monotonic()
                                                                       - self.start)
 
-    def estimate(self, model: str, precision: str, concurrent: int) -> float:
+    def estimate(self, model: str, precision: str, speedup: int) -> float:
         if not self.on_gpu:
             return max(self.history, default=0.0)
-        compile_s, rest_s, _ = H200_SECONDS.get((model, precision), (60.0, 10.0, "unknown"))
-        if PRECISIONS[precision].kind != "torch":
-            compile_s /= concurrent
-        return compile_s + rest_s
+        return h200_row_seconds(model, precision, speedup)
 
     def fit(self, precisions: list[str], model: str, workers: int) -> list[tuple[str, bool]]:
         """``(precision, fits)`` for a model's rows, in order: a row fits while the estimates
         of it and of the rows before it that fit are within what is left."""
-        concurrent = _speedup(precisions, workers)
+        speedup = _speedup(precisions, workers)
         used, left, out = 0.0, self.left(), []
         if self.on_gpu:  # its init, before its rows
             used = H200_STARTUP_SECONDS.get(model, 15.0)
         for p in precisions:
-            need = self.estimate(model, p, concurrent)
+            need = self.estimate(model, p, speedup)
             self.estimates[(model, p)] = (need, left - used)
             fits = used + need <= left
             used += need if fits else 0.0
@@ -1072,11 +1082,7 @@ class Budget:
 
 
 def _not_run(model: str, precision: str, ctx: Context, why: str) -> dict:
-    prec, case = PRECISIONS[precision], ctx.cases[model]
-    return {"model": model, "precision": precision, "label": f"{model} {precision}",
-            "description": prec.description, "batch": case["batch"],
-            "unit": UNITS[case["kind"]], "policy": prec.policy, "skip": prec.skip,
-            "error": why, "not_run": True, "seconds": 0.0}
+    return {**_row_head(model, precision, ctx), "error": why, "not_run": True, "seconds": 0.0}
 
 
 @contextlib.contextmanager
@@ -1094,17 +1100,17 @@ def _compiling_concurrently(ctx: Context, model: str, precisions: list[str], wor
         return
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
     try:
-        lowered, t0 = {}, time.perf_counter()
+        lowered, t0 = [], time.perf_counter()
         for p in jax_rows:
             prec = PRECISIONS[p]
             future: concurrent.futures.Future = concurrent.futures.Future()
             try:
                 ready = compile_jax(model, prec, ctx, compile_fn=pool.submit)
-                lowered[prec] = (ready, future)
+                lowered.append((ready, future))
             except Exception as e:  # its row fails when it is measured
                 future.set_exception(e)
             ctx.compiling[(model, prec)] = future
-        for ready, future in lowered.values():
+        for ready, future in lowered:
             try:
                 compiled, compile_s = ready.compiled.result()
                 future.set_result(dataclasses.replace(ready, compiled=compiled,

@@ -2,6 +2,7 @@
 batch, the reference loss-scale model, and paths. Test files import from here, never from
 one another."""
 
+import json
 import os
 
 import jax
@@ -168,3 +169,9 @@ def nnx_scaled_step(loss_of_model):
         optimizer.update(model, grads)
         return loss
     return step
+
+
+def read_jsonl(path):
+    """The records of a JSON-lines file (what the benchmark suites write)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]

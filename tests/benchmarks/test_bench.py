@@ -2,13 +2,13 @@
 compare like with like."""
 
 import importlib.util
-import json
 import os
 
 import jax
 import numpy as np
 import pytest
 from helpers import ROOT
+from helpers import read_jsonl
 
 from benchmarks import cpu_flags
 from benchmarks import harness
@@ -23,10 +23,6 @@ pytestmark = pytest.mark.xdist_group("tiny_runs")
 OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_apply_if_finite",
                      "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4"]
 
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ machine), the sets, the budget, the concurrent compiles, and the report."""
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import ROOT
+from helpers import read_jsonl
 
 from benchmarks import gpu
 from benchmarks.__main__ import main
@@ -42,10 +42,6 @@ def without_peers(*args: str, timeout: int = 900) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "-c", WITHOUT_PEERS, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
