@@ -8,7 +8,8 @@ export JAX_PLATFORMS := cpu
 export MPLBACKEND := Agg
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: test test-newest install-newest demo bench lint typecheck docs dist clean
+.PHONY: test test-newest install-newest install-gpu-memory test-gpu-memory gpu-memory demo bench \
+	lint typecheck docs dist clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +30,8 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 
 test: $(STAMP) lint
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
-		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests
+		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests \
+		$(GPU_MEMORY_TESTS:%=--ignore=%)
 
 # The library's unit tests and doctests on the newest jax, flax and optax the registry serves,
 # on Python 3.12 (jax 0.12 needs it), in their own environment: .venv-newest, built when it is
@@ -60,6 +62,35 @@ test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		--durations=10 -p no:cacheprovider jaxamp $(UNIT_TESTS)
 
+# XLA:GPU's compiler on this machine, no GPU: jax's CUDA 13 plugin (it installs on Linux without a
+# GPU or a driver) at the versions of the H200 run (Python 3.12, jax 0.11.2, flax 0.12.10), in
+# .venv-gpu. `make gpu-memory` compiles every JAX row of the gpu suite for an H200 and reports
+# its memory; `make test-gpu-memory` runs jaxamp.gpu_memory's tests and doctest there (the other
+# lanes have no XLA:GPU, and leave these files out).
+VENV_GPU := .venv-gpu
+STAMP_GPU := $(VENV_GPU)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+GPU_MEMORY_TESTS := jaxamp/_gpu_memory.py tests/gpu_memory
+GPU_MEMORY_OUT ?= runs/gpu-memory
+
+$(STAMP_GPU): pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make install-gpu-memory: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
+	rm -rf $(VENV_GPU)
+	$(PYTHON_NEWEST) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[dev,train,gpu-memory]' \
+		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
+	$(VENV_GPU)/bin/python -c "import jax, jaxlib, flax; print('gpu-memory:', 'jax', jax.__version__, 'flax', flax.__version__)"
+	touch $(STAMP_GPU)
+
+install-gpu-memory: $(STAMP_GPU)
+
+test-gpu-memory: $(STAMP_GPU)
+	$(VENV_GPU)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 \
+		-p no:cacheprovider $(GPU_MEMORY_TESTS)
+
+gpu-memory: $(STAMP_GPU)
+	$(VENV_GPU)/bin/python -m benchmarks gpu --deviceless h200 --out $(GPU_MEMORY_OUT)
+
 lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples docs/_ext
 
@@ -88,4 +119,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks torch
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) .pytest_cache .hypothesis runs site dist .cache
+	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_GPU) .pytest_cache .hypothesis runs site dist .cache

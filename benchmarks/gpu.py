@@ -236,6 +236,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile-workers", type=int, default=None, metavar="N",
                         help="compile up to N of a model's JAX rows at once (threads) before "
                         "timing them one by one (default: 4 on a GPU, 1 elsewhere)")
+    parser.add_argument("--deviceless", metavar="GPU", default=None,
+                        help="compile every JAX row for GPU (h200, h100) on this machine with "
+                        "XLA:GPU and run nothing: memory by part, dtype and shape, and compile "
+                        "times, in OUT/gpu_deviceless_GPU.jsonl and .md (needs jax's CUDA "
+                        "plugin and JAX_PLATFORMS=cpu: make gpu-memory)")
+    parser.add_argument("--zero-devices", type=int, default=8, metavar="N",
+                        help="with --deviceless: the GPUs the ZeRO rows are sharded over "
+                        "(default 8, one host)")
     parser.add_argument("--steps", type=int, default=20, help="most timed steps per row")
     parser.add_argument("--seconds", type=float, default=5.0,
                         help="fewer timed steps (at least 3) when they would take longer")
@@ -297,12 +305,8 @@ def _init(case: dict, tiny: bool, policy: str = "float32",
     ``JAX_PLATFORMS=cuda,cpu``) the init runs there and its result moves to the GPU: XLA:GPU
     spends 25-45 s on this program even with the key as an argument (a deviceless H200 compile
     of the GPT's init on this project's 2-core machine), XLA:CPU 3-5 s."""
-    from train import models
+    init = _init_fn(case, policy, fp8)
 
-    def init(key):
-        _, params, model_state = models.split(models.build(case["model"], policy, seed=key,
-                                                           fp8=fp8, **case["kw"]))
-        return params, model_state
     def on(device):
         with jax.default_device(device) if device is not None else contextlib.nullcontext():
             key = jax.random.key(0)
@@ -316,6 +320,24 @@ def _init(case: dict, tiny: bool, policy: str = "float32",
             print(f"  init of {case['model']} on the host failed ({error_text(e)}); "
                   f"initialising on {target.platform}", flush=True)
     return on(None)
+
+
+def _init_fn(case: dict, policy: str, fp8) -> Callable[[Any], tuple[Any, Any]]:
+    """``init(key) -> (params, model state)`` of ``case``'s model."""
+    from train import models
+
+    def init(key):
+        _, params, model_state = models.split(models.build(case["model"], policy, seed=key,
+                                                           fp8=fp8, **case["kw"]))
+        return params, model_state
+    return init
+
+
+def abstract_init(case: dict, tiny: bool, policy: str = "float32",
+                  fp8: jaxamp.fp8.DelayedScaling | None = None) -> tuple[Any, Any]:
+    """:func:`_init`'s shapes and dtypes, allocating nothing (``--deviceless``)."""
+    del tiny
+    return jax.eval_shape(_init_fn(case, policy, fp8), jax.random.key(0))
 
 
 def _host_device():
@@ -356,7 +378,8 @@ class Built:
     compile_state: Callable[[], Any]  # compiles make_state's program
 
 
-def _build(case: dict, prec: Precision, params, model_state, options: dict | None) -> Built:
+def _build(case: dict, prec: Precision, params, model_state, options: dict | None,
+           init: Callable[..., tuple[Any, Any]] = _init) -> Built:
     from flax import nnx
 
     from train import models
@@ -365,7 +388,7 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
                                                    **case["kw"]))
     graphdef = models.split(abstract)[0]
     if recipe is not None:  # the FP8 metadata, fresh (the init of everything else is dropped)
-        model_state = _init(case, False, prec.policy, fp8=recipe)[1]
+        model_state = init(case, False, prec.policy, fp8=recipe)[1]
     loss_fn, keywords = _loss(case, graphdef, fp8_state=recipe is not None)
     has_model_state = keywords.get("has_model_state", False)
     policy = jaxamp.get_policy(prec.policy)
@@ -568,6 +591,7 @@ class Context:
     flops_cache: dict = dataclasses.field(default_factory=dict)
     # (model, Precision) -> a Future of compile_jax's result, while compiled concurrently
     compiling: dict = dataclasses.field(default_factory=dict)
+    init: Callable[..., tuple[Any, Any]] = _init  # (case, tiny) -> (params, model state)
 
     @property
     def compiler_options(self) -> dict | None:
@@ -576,7 +600,7 @@ class Context:
     def params(self, model: str):
         if model not in self.model_cache:
             self.model_cache.clear()  # one model's params on the device at a time
-            self.model_cache[model] = _init(self.cases[model], self.args.tiny)
+            self.model_cache[model] = self.init(self.cases[model], self.args.tiny)
         return self.model_cache[model]
 
     def trace_flops(self, model: str, prec: Precision, built: Built) -> float | None:
@@ -717,20 +741,31 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
     return row
 
 
-def _on_mesh(built: Built, zero: int) -> tuple[Built, dict]:
-    """``built`` with its state and batch on a mesh of every device, the state sharded by
-    :func:`jaxamp.state_sharding`; and the ``jax.jit`` shardings of its step."""
+def _on_mesh(built: Built, zero: int, devices: list | None = None) -> tuple[Built, dict]:
+    """``built`` with its state and batch on a mesh of every device (or of ``devices``:
+    compile-only GPUs under ``--deviceless``, where the state and batch stay abstract, laid out
+    by their shardings), the state sharded by :func:`jaxamp.state_sharding`; and the
+    ``jax.jit`` shardings of its step."""
     batch = jax.tree.leaves(built.batch)[0].shape[0]
+    pool = list(jax.devices() if devices is None else devices)
     # Every device (the largest count that splits the batch: the --tiny batch on 8 CPUs).
-    n = max(d for d in range(1, jax.device_count() + 1) if batch % d == 0)
-    mesh = jax.make_mesh((n,), ("batch",), devices=jax.devices()[:n])
+    n = max(d for d in range(1, len(pool) + 1) if batch % d == 0)
+    mesh = jax.sharding.Mesh(np.array(pool[:n]), ("batch",))
     shardings = jaxamp.state_sharding(built.state, mesh,
                                       params="sharded" if zero == 3 else "replicated")
     batch_sharding = jaxamp.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    placed = dataclasses.replace(
-        built, make_state=lambda: jax.device_put(built.make_state(), shardings),
-        batch=jaxamp.put_sharded(built.batch, batch_sharding))
+    if devices is not None:
+        def laid_out(tree, sharding):
+            return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                tree, sharding)
+        placed = dataclasses.replace(
+            built, state=laid_out(built.state, shardings),
+            batch=laid_out(built.batch, jax.tree.map(lambda _: batch_sharding, built.batch)))
+    else:
+        placed = dataclasses.replace(
+            built, make_state=lambda: jax.device_put(built.make_state(), shardings),
+            batch=jaxamp.put_sharded(built.batch, batch_sharding))
     return placed, {"in_shardings": (shardings, batch_sharding),
                     "out_shardings": (shardings, replicated)}
 
@@ -910,6 +945,9 @@ def _check_device(args) -> bool:
 def run(args) -> list[dict]:
     out = args.out
     os.makedirs(out, exist_ok=True)
+    if getattr(args, "deviceless", None):
+        from benchmarks import gpu_deviceless
+        return gpu_deviceless.run(args)
     if args.render_only:
         return render(out)
     dev = _first_device()

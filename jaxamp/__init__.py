@@ -18,11 +18,17 @@ One module per concept:
 * ``autocasting``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``fp8``: FP8 matmuls, with current scaling (autocast's ``mixed_fp8``) or delayed scaling
   (NNX layers whose amax histories the train step updates), reached as ``jaxamp.fp8.Linear``;
-* ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis.
+* ``auditing`` and ``overflow``: the precision audit and the overflow diagnosis;
+* ``_gpu_memory``: :func:`gpu_memory`, the memory a step needs on a GPU, compiled by XLA:GPU
+  on a machine without one.
 """
 
 from jaxamp import fp8
 from jaxamp import ops
+from jaxamp._gpu_memory import GPU_TARGETS
+from jaxamp._gpu_memory import GpuMemoryReport
+from jaxamp._gpu_memory import gpu_memory
+from jaxamp._gpu_memory import gpu_mesh
 from jaxamp._tree import tree_path_str
 from jaxamp.auditing import AuditReport
 from jaxamp.auditing import audit
@@ -71,16 +77,18 @@ from jaxamp.train_step import make_train_step
 __version__ = "0.1.0"
 
 __all__ = (
-    "MASTERS",
-    "PRESETS",
     "AuditReport",
     "DynamicLossScale",
+    "GPU_TARGETS",
+    "GpuMemoryReport",
     "GradStats",
     "LossScale",
+    "MASTERS",
     "MixedPrecisionState",
     "NoOpLossScale",
     "OverflowEvent",
     "OverflowReport",
+    "PRESETS",
     "Policy",
     "StaticLossScale",
     "TrainState",
@@ -96,6 +104,8 @@ __all__ = (
     "get_loss_scale",
     "get_master_params",
     "get_policy",
+    "gpu_memory",
+    "gpu_mesh",
     "grad_stats",
     "kahan_join",
     "kahan_split",
