@@ -16,12 +16,14 @@ schedules buffers; only the compiled program says what a GPU allocates.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import math
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -132,8 +134,8 @@ def gpu_mesh(target: str = "h200", shape: tuple[int, ...] | int = 1,
 
     >>> import jaxamp
     >>> mesh = jaxamp.gpu_mesh("h200", 8)
-    >>> mesh.shape, mesh.devices.flat[0].device_kind
-    ({'batch': 8}, 'NVIDIA H200 141GB HBM3e')
+    >>> mesh.size, mesh.axis_names, mesh.devices.flat[0].device_kind
+    (8, ('batch',), 'NVIDIA H200 141GB HBM3e')
     """
     from jax.experimental import topologies
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -336,6 +338,17 @@ def gpu_memory(fn: Callable, *args: Any, target: str = "h200",
     return report
 
 
+@contextlib.contextmanager
+def _cache_cannot_load():
+    """Silences JAX's warning when its persistent compilation cache holds this program: an
+    executable compiled for compile-only devices cannot be loaded back (there is no client to
+    load it into), so the read fails and XLA compiles it again, which is what is wanted."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Error reading persistent compilation cache",
+                                category=UserWarning)
+        yield
+
+
 def compile_report(lowered: Any, target: str, devices: int, args: Any,
                    compiler_options: dict[str, Any] | None = None) -> tuple[GpuMemoryReport, Any]:
     """Compiles ``lowered`` (lowered for :func:`gpu_mesh` devices) and reads its memory:
@@ -344,11 +357,15 @@ def compile_report(lowered: Any, target: str, devices: int, args: Any,
     kept = options.get("xla_dump_to")  # the caller's dump: left in place
     with tempfile.TemporaryDirectory(prefix="jaxamp-gpu-memory-") as scratch:
         dump = kept or scratch
-        compiled = lowered.compile({**options, "xla_dump_to": dump})
+        with _cache_cannot_load():
+            compiled = lowered.compile({**options, "xla_dump_to": dump})
         assigned = sorted(glob.glob(os.path.join(dump, "*gpu_after_optimizations-buffer-"
                                                        "assignment.txt")),
                           key=os.path.getmtime)
-        assignment = open(assigned[-1]).read() if assigned else ""
+        assignment = ""
+        if assigned:
+            with open(assigned[-1]) as f:
+                assignment = f.read()
     stats = compiled.memory_analysis()
     if isinstance(stats, list | tuple):
         stats = stats[0]
