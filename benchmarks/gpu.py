@@ -372,10 +372,12 @@ class Built:
     step: Callable[[Any, Any], tuple[Any, dict]]  # (state, batch) -> (state, metrics)
     state: Any  # abstract (jax.ShapeDtypeStruct leaves, with their shardings on a mesh)
     batch: Any
-    audited: Callable[[Any, Any], jax.Array]  # the scalar loss of (working params, batch)
+    # the scalar loss of (working params, batch, model state)
+    audited: Callable[[Any, Any, Any], jax.Array]
     working: Any  # the working params, for the audit
     make_state: Callable[[], Any]  # the concrete state, built when the row is timed
     compile_state: Callable[[], Any]  # compiles make_state's program
+    model_state: Any = None  # the audit's (its leaves are arguments: abstract ones trace too)
 
 
 def _build(case: dict, prec: Precision, params, model_state, options: dict | None,
@@ -394,9 +396,9 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     policy = jaxamp.get_policy(prec.policy)
     working = jax.eval_shape(policy.cast_params_to_compute, params)  # the audit traces it
 
-    def audited(p, b):
+    def audited(p, b, ms):
         if has_model_state:
-            return loss_fn(p, b, model_state)[0]
+            return loss_fn(p, b, ms)[0]
         return loss_fn(p, b)[0]
     if prec.kind == "autocast":
         audited = jaxamp.autocast(audited, policy)
@@ -424,7 +426,7 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     def concrete():
         return compile_state()(params, model_state)
     return Built(step, jax.eval_shape(fresh, params, model_state), _batch(case), audited,
-                 working, concrete, compile_state)
+                 working, concrete, compile_state, model_state)
 
 
 def _bare_step(loss_fn, has_model_state: bool, policy):
@@ -611,7 +613,7 @@ class Context:
             try:
                 with warnings.catch_warnings():  # abstract params: no saved residuals, no matter
                     warnings.simplefilter("ignore")
-                    report = jaxamp.audit_grad(built.audited, built.working, built.batch)
+                    report = jaxamp.audit_grad(built.audited, *_audit_args(built))
                 self.flops_cache[key] = report.total_matmul_flops
             except Exception as e:
                 print(f"  trace FLOPs of {model}: {error_text(e)}", flush=True)
@@ -620,12 +622,21 @@ class Context:
 
 
 
+def _audit_args(built: Built) -> tuple[Any, Any, Any]:
+    """``(working params, batch, model state)`` for the audit: the params abstract (their
+    gradient is traced), the rest concrete, zeros where abstract (``--deviceless``)."""
+    def concrete(x):
+        return jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+    return built.working, jax.tree.map(concrete, built.batch), jax.tree.map(
+        concrete, built.model_state)
+
+
 def fp8_share(built: Built) -> float | None:
     """The share of the loss's matmul FLOPs that run in FP8 (``jaxamp.audit_grad``)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return jaxamp.audit_grad(built.audited, built.working, built.batch).fp8_matmul_share
+            return jaxamp.audit_grad(built.audited, *_audit_args(built)).fp8_matmul_share
     except Exception as e:
         print(f"  FP8 share: {error_text(e)}", flush=True)
         return None

@@ -73,6 +73,7 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
     prec = gpu.PRECISIONS[precision]
     params, model_state = ctx.params(model)
     built = gpu._build(ctx.cases[model], prec, params, model_state, None, init=ctx.init)
+    flops = ctx.trace_flops(model, prec, built)
     built, jit_kwargs, devices = _placed(built, prec, target, ctx.args.zero_devices)
     with gpu._precision_context(prec.matmul_precision):
         effective = gpu.effective_matmul_precision()
@@ -89,7 +90,7 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
             "argument_by_dtype_gb": {k: v / GB for k, v in report.argument_by_dtype.items()},
             "temp_by_dtype_gb": {k: v / GB for k, v in report.temp_by_dtype.items()},
             "temp_largest": [[label, n, b / GB] for label, n, b in report.temp_by_shape[:8]],
-            "flops": ctx.trace_flops(model, prec, built), **gpu.kernel_fingerprint(compiled)}
+            "flops": flops, **gpu.kernel_fingerprint(compiled)}
 
 
 def run(args) -> list[dict]:

@@ -49,10 +49,15 @@ Memory: an fp32 region (a norm's statistics, a softmax, a loss) is computed unde
 ``jax.checkpoint`` from its half-precision inputs and hands its results on in the compute dtype,
 so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops' fp32 results. With
 ``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
-``jax.checkpoint`` policy that keeps only the matmuls' operands and outputs (and those of
+``jax.checkpoint`` policy that keeps only the matmuls' outputs and operands (and those of
 collectives, sorts, FFTs, pools and cumulative ops): the elementwise chains between matmuls (a
 tanh GELU, a residual add, a mask) are recomputed in the backward pass, as PyTorch's fused GELU,
-softmax and norms keep only their inputs. The arguments and their casts are never saved.
+softmax and norms keep only their inputs. A matmul's operand is not kept either where at most
+16 elementwise ops (an fp32 region counting as one) compute it from kept matmul outputs and the
+arguments: attention keeps its scores and recomputes the softmax from them, an MLP keeps its
+first matmul's output and recomputes the GELU, so each keeps one tensor where it kept two (on an
+H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). The arguments and
+their casts are never saved.
 
 Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
 or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
@@ -238,7 +243,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         def evaluate(*arrays):
             ctx = dataclasses.replace(context, upcasts={}, scopes_seen=scopes_seen,
-                                      cheap={id(a): a for a in arrays} if recomputed else None)
+                                      cheap={id(a): a for a in arrays} if recomputed else None,
+                                      near={} if recomputed else None)
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.
@@ -299,6 +305,12 @@ class _Context:
     # recompute=True: id -> value of the arguments and their casts and views, per call. A
     # matmul operand among them is not saved for backward: it is there already, or cheap.
     cheap: dict | None = dataclasses.field(default=None, compare=False)
+    # recompute=True: id -> (value, depth) of the matmuls' outputs (depth 0) and of the values
+    # an elementwise chain of at most ``_NEAR_DEPTH`` ops computes from them (and from cheap
+    # values), per call. A matmul operand among them is recomputed in the backward pass from
+    # the saved matmul outputs rather than saved beside them: a softmax's probabilities from
+    # the scores, a GELU from its matmul's output.
+    near: dict | None = dataclasses.field(default=None, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
@@ -391,6 +403,9 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
         if (ctx.cheap is not None and eqn.primitive.name in _VIEWS and invals
                 and id(invals[0]) in ctx.cheap):
             ctx.cheap[id(outs[0])] = outs[0]
+        if ctx.near is not None and eqn.primitive.name not in _MATMULS:
+            _mark_near(ctx, eqn, invals, outs, outer,
+                       [isinstance(v, Literal) or v in constant for v in eqn.invars])
     for v, x in zip(eqn.outvars, outs, strict=True):
         env[v] = x
 
@@ -446,6 +461,40 @@ def _look_behind(ctx: _Context, level: _Level, members: list[int], region_vars: 
         if not added:
             break
     return sorted(member_set)
+
+
+_NEAR_DEPTH = 16
+
+
+def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) -> int | None:
+    """How many elementwise ops ``values`` are from saved matmul outputs and cheap values
+    (the deepest of them); ``None`` where one of them is not near."""
+    near, cheap = ctx.near or {}, ctx.cheap or {}
+    depth = 0
+    for x, c in zip(values, const_in, strict=True):
+        if c or not is_floating_array(x) or id(x) in cheap:
+            continue
+        entry = near.get(id(x))
+        if entry is None or entry[0] is not x:
+            return None
+        depth = max(depth, entry[1])
+    return depth
+
+
+def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
+               const_in: Sequence[bool]) -> None:
+    """Records the outputs of an elementwise op on near values as near."""
+    if ctx.near is None or (eqn.primitive.name not in _VIEWS
+                            and not _pure_elementwise_like(ctx, eqn, outer)):
+        return
+    depth = _near_depth(ctx, invals, const_in)
+    if depth is None:
+        return
+    step = 0 if eqn.primitive.name in _VIEWS else 1
+    if depth + step <= _NEAR_DEPTH:
+        for x in outs:
+            if is_floating_array(x):
+                ctx.near[id(x)] = (x, depth + step)
 
 
 def _feeds_only_matmuls(level: _Level, i: int) -> bool:
@@ -572,9 +621,16 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
                 out.append(_cast(local[v], ctx.compute) if on else local[v])
         return out
 
-    outs = jax.checkpoint(region)(*[env[v] for v in inputs])
+    invals = [env[v] for v in inputs]
+    outs = jax.checkpoint(region)(*invals)
     for v, x in zip(exports, outs, strict=True):
         env[v] = x
+    if ctx.near is not None:  # recomputed from its inputs: near when they are
+        depth = _near_depth(ctx, invals, [v in constant for v in inputs])
+        if depth is not None and depth + 1 <= _NEAR_DEPTH:
+            for x in outs:
+                if is_floating_array(x):
+                    ctx.near[id(x)] = (x, depth + 1)
     done.update(members)
 
 
@@ -634,6 +690,8 @@ def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
             out = _cast(source, ctx.compute)
             if ctx.cheap is not None and (id(x) in ctx.cheap or id(source) in ctx.cheap):
                 ctx.cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
+            elif ctx.near is not None and id(x) in ctx.near and ctx.near[id(x)][0] is x:
+                ctx.near[id(out)] = (out, ctx.near[id(x)][1])
             outs.append(out)
         return outs
     if rule in ("float32", "float32!"):
@@ -734,9 +792,14 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
             params["preferred_element_type"] = functools.reduce(_wider, float_in)
     if ctx.cheap is not None and eqn.primitive.name in _MATMULS:
         invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x) and id(x) not in ctx.cheap
-                  else x for x in invals]
+                  and id(x) not in (ctx.near or {}) else x for x in invals]
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-    return out if eqn.primitive.multiple_results else [out]
+    outs = out if eqn.primitive.multiple_results else [out]
+    if ctx.near is not None and eqn.primitive.name in _MATMULS:
+        for x in outs:
+            if is_floating_array(x):
+                ctx.near[id(x)] = (x, 0)  # saved (``_SAVED``)
+    return outs
 
 
 # --------------------------------------------------------------------------------------------

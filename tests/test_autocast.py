@@ -598,9 +598,9 @@ def test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass():
         return jnp.mean(jax.nn.gelu(x @ w1) @ w2)
 
     saved = jaxamp.audit_grad(jaxamp.autocast(f), w1, w2, X, argnums=(0, 1)).saved_bytes_by_dtype
-    # x @ w1 and the second matmul's operand gelu(x @ w1), in bf16; x and the weights are
-    # arguments (their bf16 casts are recomputed), and GELU's intermediates are recomputed.
-    assert saved == {"bfloat16": 2 * X.shape[0] * 64 * 2}
+    # x @ w1 alone, in bf16: the second matmul's operand gelu(x @ w1) is recomputed from it
+    # with GELU's intermediates, and x and the weights are arguments (their casts recomputed).
+    assert saved == {"bfloat16": X.shape[0] * 64 * 2}
     kept = jaxamp.audit_grad(jaxamp.autocast(f, recompute=False), w1, w2, X,
                              argnums=(0, 1)).saved_bytes
     assert kept >= 5 * X.shape[0] * 64 * 2
@@ -608,6 +608,46 @@ def test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass():
     g_kept = jax.grad(jaxamp.autocast(f, recompute=False), argnums=(0, 1))(w1, w2, X)
     for a, b in zip(g, g_kept, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_recompute_keeps_the_scores_not_the_probabilities():
+    """Attention saves its scores (a matmul's output) and recomputes the softmax from them: one
+    [L, L] tensor per head instead of two (on an H200 the GPT's temporaries shrink by a
+    quarter)."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 32, 16)) for i in range(3))
+
+    def f(q, k, v):
+        scores = jnp.einsum("hld,hmd->hlm", q, k) / 4.0
+        mask = jnp.tril(jnp.ones((32, 32), bool))
+        probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+        return jnp.mean(jnp.einsum("hlm,hmd->hld", probs, v) ** 2)
+
+    saved = jaxamp.audit_grad(jaxamp.autocast(f), q, k, v, argnums=(0, 1, 2))
+    assert saved.saved_bytes_by_dtype == {"bfloat16": 4 * 32 * 32 * 2 + 4 * 32 * 16 * 2}
+    g = jax.grad(jaxamp.autocast(f), argnums=(0, 1, 2))(q, k, v)
+    g_kept = jax.grad(jaxamp.autocast(f, recompute=False), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g, g_kept, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_recompute_saves_an_operand_a_long_chain_away_from_the_saved_values():
+    """An elementwise chain longer than 16 ops is not run again in the backward pass: its end,
+    a matmul's operand, is saved."""
+    w1 = jax.random.normal(jax.random.key(0), (16, 64)) * 0.1
+    w2 = jax.random.normal(jax.random.key(1), (64, 8)) * 0.1
+
+    def f(w1, w2, x, steps):
+        h = x @ w1
+        for _ in range(steps):
+            h = jnp.sin(h) * 1.01
+        return jnp.mean(h @ w2)
+
+    def saved(steps):
+        return jaxamp.audit_grad(jaxamp.autocast(lambda a, b, x: f(a, b, x, steps)), w1, w2, X,
+                                 argnums=(0, 1)).saved_bytes_by_dtype
+    one = X.shape[0] * 64 * 2
+    assert saved(8) == {"bfloat16": one}  # 16 ops: recomputed
+    assert saved(9) == {"bfloat16": 2 * one}  # 18: the operand is saved beside x @ w1
 
 
 def test_a_function_with_effects_is_not_recomputed(capsys):

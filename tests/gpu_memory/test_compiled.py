@@ -1,0 +1,177 @@
+"""``jaxamp.gpu_memory`` and ``python -m benchmarks gpu --deviceless``, compiled by XLA:GPU for an
+H200 on this machine (no GPU). Run by ``make test-gpu-memory``, in .venv-gpu: jax's CUDA plugin
+at the versions of the H200 run, ``JAX_PLATFORMS=cpu``.
+
+The memory goals are checked here on the reference models and the user's GPT with their real
+layer shapes and batches but 2 layers (8-25 s to compile each, against 20-30 s for the full
+models; `make gpu-memory` compiles those). What a layer keeps for the backward pass is what
+the goals are about; the state, which does not halve, is a smaller share of 2 layers than of 24,
+so the ratios here are the full models' within a few hundredths (BENCHMARKS.md).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from benchmarks import gpu
+from benchmarks import gpu_deviceless
+from benchmarks.__main__ import main
+
+GB = 1e9
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def test_parts_of_a_known_program():
+    """A donated 4 MiB argument updated in place: 4 MiB in, 4 MiB out, all of it aliased."""
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.tanh(x @ w.astype(x.dtype)).astype(
+            jnp.float32).sum())(w)
+    report = jaxamp.gpu_memory(step, w, x, target="h200", donate_argnums=0)
+    assert report.target == "NVIDIA H200 141GB HBM3e" and report.devices == 1
+    assert report.argument_bytes == 4 * 2**20 + 512 * 2**10
+    assert report.argument_by_dtype == {"float32": 4 * 2**20, "bfloat16": 512 * 2**10}
+    assert report.output_bytes == report.alias_bytes == 4 * 2**20
+    assert report.total_bytes == report.argument_bytes + report.temp_bytes
+    split = sum(n for _, _, n in report.temp_by_shape)
+    assert 0 < split <= report.temp_bytes
+    assert sum(report.temp_by_dtype.values()) == split
+    assert "custom_call_target" in report.hlo or "__triton" in report.hlo  # the GPU's kernels
+    assert "H200" in str(report) and "temporaries" in str(report)
+
+
+def test_h100_and_a_target_of_ones_own():
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    h100 = jaxamp.gpu_memory(lambda x: (x @ x).sum(), x, target="h100")
+    assert h100.target == "NVIDIA H100 80GB HBM3"
+    own = jaxamp.gpu_memory(lambda x: (x @ x).sum(), x,
+                            target=jaxamp._gpu_memory._target_text("h100")[1].replace(
+                                "NVIDIA H100 80GB HBM3", "my GPU"))
+    assert own.target == "my GPU" and own.argument_bytes == h100.argument_bytes
+
+
+def _nnx_gpt():
+    from train.models import nnx_gpt
+    loss_fn, params = nnx_gpt.loss_and_params(vocab=512, width=256, depth=2, heads=4,
+                                              max_len=256)
+    return loss_fn, params, {"tokens": jnp.zeros((8, 257), jnp.int32)}
+
+
+def _linen_encoder():
+    from train.models.linen_encoder import variants
+    _, loss, params, tokens = variants(vocab=512, width=256, depth=2, heads=4, mlp=1024,
+                                       batch=8, seq_len=256)[0]  # the fp32 model
+    return loss, params, tokens
+
+
+def _equinox_mlp():
+    import equinox as eqx
+    model = eqx.nn.MLP(in_size=256, out_size=10, width_size=1024, depth=3,
+                       key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(p, x):
+        logits = jax.vmap(eqx.combine(p, static))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), jnp.zeros(x.shape[:1], jnp.int32)).mean()
+    return loss, params, jnp.zeros((16384, 256), jnp.float32)
+
+
+@pytest.mark.parametrize("make", [_nnx_gpt, _linen_encoder, _equinox_mlp],
+                         ids=["nnx", "linen", "equinox"])
+def test_a_users_model_under_autocast_keeps_half_precision_on_the_gpu(make):
+    """The user's step, as they build it, asked on an H200: under autocast its temporaries are
+    half precision, and the step needs less than its fp32 twin."""
+    loss, params, batch = make()
+    reports = {}
+    for policy, autocast in (("float32", False), ("mixed_bfloat16", True)):
+        tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
+        state = jax.eval_shape(lambda p, tx=tx: jaxamp.TrainState.create(params=p, tx=tx),
+                               params)
+        step = jax.jit(jaxamp.make_train_step(loss, autocast=autocast), donate_argnums=0)
+        reports[policy] = jaxamp.gpu_memory(step, state, _abstract(batch), target="h200")
+    fp32, mixed = reports["float32"], reports["mixed_bfloat16"]
+    assert mixed.total_bytes < 0.8 * fp32.total_bytes, (str(fp32), str(mixed))
+    assert set(fp32.temp_by_dtype) <= {"float32", "int32", "int8", "bool"}, str(fp32)
+    assert mixed.temp_by_dtype["bfloat16"] > 0.25 * mixed.temp_bytes, str(mixed)
+    # The bf16 working copy is 2 bytes a param; the fp32 state (params, mu, nu) 12.
+    batch32 = sum(x.size * 4 for x in jax.tree.leaves(batch) if x.dtype == jnp.float32)
+    assert mixed.argument_by_dtype["bfloat16"] * 6 == pytest.approx(
+        fp32.argument_by_dtype["float32"] - batch32, rel=0.01)
+
+
+def test_the_zero3_state_on_eight_gpus():
+    """ZeRO-3 on 8 H200s: each GPU holds an eighth of the state."""
+    mesh = jaxamp.gpu_mesh("h200", 8)
+    params = {"w": jnp.zeros((4096, 4096)), "b": jnp.zeros((4096,))}
+    tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
+    state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
+    shardings = jaxamp.state_sharding(state, mesh, params="sharded")
+    batch_sharding = jaxamp.batch_sharding(mesh)
+    laid = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings)
+    x = jax.ShapeDtypeStruct((64, 4096), jnp.float32, sharding=batch_sharding)
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+    step = jax.jit(jaxamp.make_train_step(loss), donate_argnums=0,
+                   in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, jax.sharding.NamedSharding(
+                       mesh, jax.sharding.PartitionSpec())))
+    report = jaxamp.gpu_memory(step, laid, x, mesh=mesh)
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert report.devices == 8
+    assert report.argument_bytes == pytest.approx(whole / 8 + 64 * 4096 * 4 / 8, rel=0.01)
+
+
+def test_the_suite_compiles_its_rows_for_a_gpu(tmp_path):
+    rows = main(["gpu", "--deviceless", "h200", "--tiny", "--models", "bert_large",
+                 "--precisions", "mixed_bfloat16,fp32_default,mixed_bfloat16_zero3",
+                 "--out", str(tmp_path)])["gpu"]
+    assert [r["precision"] for r in rows] == ["mixed_bfloat16", "fp32_default",
+                                              "mixed_bfloat16_zero3"]
+    assert all(r["error"] is None and r["mem_gb"] > 0 and r["temp_largest"] for r in rows)
+    mixed, fp32, zero3 = rows
+    assert mixed["mem_gb"] == pytest.approx(mixed["argument_gb"] + mixed["output_gb"]
+                                            - mixed["alias_gb"] + mixed["temp_gb"])
+    assert zero3["devices"] == 2  # the tiny batch of 2 splits over 2 of the 8 GPUs
+    assert fp32["vs_fp32_default"] == 1 and 0 < mixed["vs_fp32_default"] < 1.5
+    assert sum(mixed["temp_by_dtype_gb"].values()) <= mixed["temp_gb"]
+    text = (tmp_path / "gpu_deviceless_h200.md").read_text()
+    assert "| bert_large | mixed_bfloat16_zero3 | 2 |" in text
+    stored = [json.loads(line) for line in
+              (tmp_path / "gpu_deviceless_h200.jsonl").read_text().splitlines()]
+    assert [r["precision"] for r in stored] == [r["precision"] for r in rows]
+
+
+# The memory goals, on an H200, mixed ÷ fp32 of the compiled step (2 layers of each model at
+# its real width and batch).
+GOALS = [("bert_large", "mixed_bfloat16", 0.55), ("resnet50", "mixed_bfloat16", 0.55),
+         ("nnx_gpt", "autocast_bf16", 0.55)]
+TWO_LAYERS = {"bert_large": dict(depth=2), "nnx_gpt": dict(depth=2),
+              "resnet50": dict(stage_sizes=(1, 1, 1, 1))}
+
+
+@pytest.mark.parametrize("model,precision,goal", GOALS, ids=[g[0] for g in GOALS])
+def test_memory_goal(model, precision, goal):
+    case = gpu._cases(False)[model]
+    case = {**case, "kw": {**case["kw"], **TWO_LAYERS[model]}}
+    args = type("Args", (), {"tiny": False, "zero_devices": 8})()
+    ctx = gpu.Context(args, {model: case}, "NVIDIA H200 141GB HBM3e", {},
+                      init=gpu.abstract_init)
+    rows = {p: gpu_deviceless.compile_row(model, p, ctx, "h200")
+            for p in (precision, "fp32_default")}
+    ratio = rows[precision]["mem_gb"] / rows["fp32_default"]["mem_gb"]
+    assert ratio <= goal, (ratio, rows)
+    fp32_left = rows[precision]["temp_by_dtype_gb"].get("float32", 0)
+    assert fp32_left < 0.02 * rows[precision]["temp_gb"], rows[precision]["temp_largest"]
