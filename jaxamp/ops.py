@@ -16,7 +16,7 @@ through one: without them XLA merges the backward's fp32 recomputation with the 
 fuses the cast to bf16 into each consumer, and keeps the forward's fp32 tensors alive instead
 of the half-precision residuals (on an H200, the reference BERT-Large step needed 82 GB with the
 plain rules and 45 GB with the barriers; the jaxpr's saved bytes are the same either way). Under
-an fp32 input every op is the usual fp32 computation.
+an fp32 input every op is the usual fp32 computation, without barriers.
 
 >>> import jax
 >>> import jax.numpy as jnp
@@ -77,16 +77,22 @@ def _empty_like(x: jax.Array) -> jax.Array:
     return jnp.zeros((0,) + x.shape, x.dtype)
 
 
-def _unshared(res: tuple) -> tuple:
-    """A backward rule's residuals behind an optimization barrier.
+def _is_half(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
+def _unshared(res: tuple, main: jax.Array) -> tuple:
+    """A backward rule's residuals, behind an optimization barrier where ``main`` (the op's
+    input or output) is half precision.
 
     A backward rule recomputes fp32 values from a half-precision residual (``xhat`` from ``x``,
     ``tanh`` of GELU's input). Without the barrier XLA sees the same expression as in the
     forward pass, computes it once and keeps the forward's fp32 result alive until the
     backward pass: the fp32 activation memory these ops exist to avoid (24 fp32 tanh tensors of
-    BERT-Large's GELU on an H200). ``jax.checkpoint`` guards its recomputation the same way.
+    BERT-Large's GELU on an H200). ``jax.checkpoint`` guards its recomputation the same way. In
+    fp32 there is no half-precision tensor to keep instead, and the rules run as written.
     """
-    return jax.lax.optimization_barrier(res)
+    return jax.lax.optimization_barrier(res) if _is_half(main) else res
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -120,7 +126,7 @@ def _batch_norm_train_fwd(x, scale, bias, residual, epsilon, relu):
 
 def _batch_norm_train_bwd(epsilon, relu, res, cts):
     del epsilon
-    x, scale, bias, mean, rstd, y, res_like = _unshared(res)
+    x, scale, bias, mean, rstd, y, res_like = _unshared(res, res[0])
     g = _f32(cts[0])  # the statistics' cotangents are ignored: they feed running averages
     if relu:
         g = jnp.where(y > 0, g, 0.0)
@@ -195,7 +201,7 @@ def _batch_norm_eval_fwd(x, scale, bias, mean, var, residual, epsilon, relu):
 
 def _batch_norm_eval_bwd(epsilon, relu, res, g):
     del epsilon
-    x, scale, bias, mean, var, rstd, y, res_like = _unshared(res)
+    x, scale, bias, mean, var, rstd, y, res_like = _unshared(res, res[0])
     g = _f32(g)
     if relu:
         g = jnp.where(y > 0, g, 0.0)
@@ -273,7 +279,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon):
 
 def _layer_norm_bwd(epsilon, res, g):
     del epsilon
-    x, scale, bias, mean, rstd = _unshared(res)
+    x, scale, bias, mean, rstd = _unshared(res, res[0])
     g = _f32(g)
     xhat = (_f32(x) - mean) * rstd
     lead = tuple(range(x.ndim - 1))
@@ -328,15 +334,18 @@ def _attention_softmax_fwd(scores, mask, scale):
     s = _f32(scores) * scale
     if mask is not None:
         s = jnp.where(mask, s, jnp.finfo(_F32).min)
-    # The barrier keeps the bf16 probabilities, not the fp32 softmax they are cast from: XLA
-    # would otherwise fuse the cast into each consumer (the value matmul, the backward rule) and
-    # keep the fp32 exponentials until the backward pass (24 x 1.07 GB in BERT-Large on an H200).
-    probs = jax.lax.optimization_barrier(jax.nn.softmax(s, axis=-1).astype(scores.dtype))
+    # In half precision the barrier keeps the probabilities, not the fp32 softmax they are cast
+    # from: XLA would otherwise fuse the cast into each consumer (the value matmul, the backward
+    # rule) and keep the fp32 exponentials until the backward pass (24 x 1.07 GB in BERT-Large
+    # on an H200).
+    probs = jax.nn.softmax(s, axis=-1).astype(scores.dtype)
+    if _is_half(probs):
+        probs = jax.lax.optimization_barrier(probs)
     return probs, (probs,)
 
 
 def _attention_softmax_bwd(scale, res, g):
-    (probs,) = _unshared(res)
+    (probs,) = _unshared(res, res[0])
     p, g = _f32(probs), _f32(g)
     ds = p * (g - (g * p).sum(-1, keepdims=True)) * scale
     return ds.astype(probs.dtype), None
@@ -388,7 +397,7 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(res, g):
-    (x,) = _unshared(res)
+    (x,) = _unshared(res, res[0])
     x32 = _f32(x)
     t = jnp.tanh(_GELU_C * (x32 + 0.044715 * x32 ** 3))
     dy = 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x32 ** 2)
@@ -490,7 +499,7 @@ def _xent_fwd(logits, labels):
 
 
 def _xent_bwd(res, g):
-    logits, labels, lse = _unshared(res)
+    logits, labels, lse = _unshared(res, res[0])
     p = jnp.exp(_f32(logits) - lse[..., None])
     onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=_F32)
     return ((p - onehot) * _f32(g)[..., None]).astype(logits.dtype), None
