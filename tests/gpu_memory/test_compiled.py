@@ -154,8 +154,8 @@ def test_the_suite_compiles_its_rows_for_a_gpu(tmp_path):
 
 # The memory goals, on an H200, mixed ÷ fp32 of the compiled step, checked on fewer layers of
 # each model at its real width and batch (the full models' figures are in BENCHMARKS.md). ResNet-50
-# misses its goal of 0.55 (0.580 for the full model, 0.613 for these 2 layers): its row guards
-# today's figure until the skip's cost below is gone. XLA schedules a step whose every update
+# misses its goal of 0.55 (0.576 for the full model): its row guards against a regression until
+# the skip's cost below is gone. XLA schedules a step whose every update
 # waits for one finite check over all gradients with 1.4 GB more activations alive than the
 # same step without the check (the bare bf16 step: 10.99 GB, 12.35 with the check).
 GOALS = [("bert_large", "mixed_bfloat16", 0.55), ("nnx_gpt", "autocast_bf16", 0.55),
