@@ -7,7 +7,7 @@
                              [--steps 20] [--seconds 5] [--append] [--render-only]
     python -m benchmarks gpu --tiny              # every configuration at a tiny size, any device
     make gpu-memory                              # every JAX row compiled for an H200, no GPU:
-    python -m benchmarks gpu --deviceless h200   # memory by part, dtype and shape (gpu_deviceless.py)
+    python -m benchmarks gpu --deviceless h200   # memory by part, dtype, shape (gpu_deviceless.py)
 
 One row per configuration (model x precision), measured and appended to ``OUT/gpu.jsonl`` as soon
 as it is done; a configuration that fails writes a row with its error and the suite goes on. Each
