@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jaxamp
+from jaxamp import _jaxpr
 from jaxamp import ops
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
@@ -320,3 +321,29 @@ def test_ops_module_is_exported():
     assert {"layer_norm", "gelu"}.isdisjoint(jaxamp.__all__)
     for name in ops.__all__:
         assert ">>>" in getattr(ops, name).__doc__, name
+
+
+@pytest.mark.parametrize("dtype,guarded", [(jnp.bfloat16, True), (jnp.float32, False)],
+                         ids=["bf16", "fp32"])
+@pytest.mark.parametrize("op", ["gelu", "layer_norm", "attention_softmax", "batch_norm_train",
+                                "softmax_cross_entropy"])
+def test_half_precision_residuals_are_read_behind_a_barrier(op, dtype, guarded):
+    """In half precision each backward rule reads its residuals through an optimization barrier,
+    so that XLA cannot merge the backward's fp32 recomputation with the forward's and keep the
+    forward's fp32 tensors (what a GPU compile showed: BERT-Large's step 82 GB without, 45 GB
+    with). In fp32 the rules run as written."""
+    x = jax.random.normal(jax.random.key(0), (4, 8)).astype(dtype)
+    one = jnp.ones(8)
+    losses = {
+        "gelu": lambda x: ops.gelu(x),
+        "layer_norm": lambda x: ops.layer_norm(x, one, one * 0),
+        "attention_softmax": lambda x: ops.attention_softmax(x),
+        "batch_norm_train": lambda x: ops.batch_norm_train(x, one, one * 0, relu=True)[0],
+        "softmax_cross_entropy": lambda x: ops.softmax_cross_entropy(x, jnp.arange(4)),
+    }
+
+    def loss(x):
+        return (losses[op](x).astype(jnp.float32) ** 2).sum()
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(x)
+    names = {e.primitive.name for e, _ in _jaxpr.walk(jaxpr)}
+    assert ("optimization_barrier" in names) == guarded
