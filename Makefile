@@ -60,7 +60,7 @@ install-newest: $(STAMP_NEWEST)
 
 test-newest: $(STAMP_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
-		--durations=10 -p no:cacheprovider jaxamp $(UNIT_TESTS)
+		--durations=10 -p no:cacheprovider jaxamp $(UNIT_TESTS) --ignore=jaxamp/_gpu_memory.py
 
 # XLA:GPU's compiler on this machine, no GPU: jax's CUDA 13 plugin (it installs on Linux without a
 # GPU or a driver) at the versions of the H200 run (Python 3.12, jax 0.11.2, flax 0.12.10), in
@@ -84,9 +84,14 @@ $(STAMP_GPU): pyproject.toml
 
 install-gpu-memory: $(STAMP_GPU)
 
+# `.ci/run` leaves out the memory goals (GPU_MEMORY_SELECT='-k "not memory_goal"'): their six
+# compiles take 2 minutes on 2 cores, which CI's 15 do not hold; the full models' figures are
+# committed in benchmarks/results/gpu-deviceless-h200/ (`make gpu-memory`).
+GPU_MEMORY_SELECT ?=
+
 test-gpu-memory: $(STAMP_GPU)
 	$(VENV_GPU)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 \
-		-p no:cacheprovider $(GPU_MEMORY_TESTS)
+		-p no:cacheprovider $(GPU_MEMORY_SELECT) $(GPU_MEMORY_TESTS)
 
 gpu-memory: $(STAMP_GPU)
 	$(VENV_GPU)/bin/python -m benchmarks gpu --deviceless h200 --out $(GPU_MEMORY_OUT)
