@@ -87,6 +87,8 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
             "mem_gb": report.total_bytes / GB, "argument_gb": report.argument_bytes / GB,
             "output_gb": report.output_bytes / GB, "alias_gb": report.alias_bytes / GB,
             "temp_gb": report.temp_bytes / GB,
+            "live_peak_gb": None if report.live_peak_bytes is None
+            else report.live_peak_bytes / GB,
             "argument_by_dtype_gb": {k: v / GB for k, v in report.argument_by_dtype.items()},
             "temp_by_dtype_gb": {k: v / GB for k, v in report.temp_by_dtype.items()},
             "temp_largest": [[label, n, b / GB] for label, n, b in report.temp_by_shape[:8]],

@@ -187,6 +187,10 @@ class GpuMemoryReport:
     the values that share it, each byte counted once, for the largest value that uses it."""
     hlo: str = dataclasses.field(repr=False, default="")
     """The optimized HLO text."""
+    live_peak_bytes: int | None = None
+    """The most bytes live at once in XLA's schedule (arguments included), where its dump says:
+    what the step holds at its peak. ``total_bytes`` is larger by what the temporary buffer's
+    layout cannot reuse (values of different sizes and lifetimes packed into one arena)."""
 
     @property
     def total_bytes(self) -> int:
@@ -199,6 +203,8 @@ class GpuMemoryReport:
                  f"(arguments {self.argument_bytes / gb:.2f} + outputs "
                  f"{self.output_bytes / gb:.2f} - donated {self.alias_bytes / gb:.2f} + "
                  f"temporaries {self.temp_bytes / gb:.2f})"]
+        if self.live_peak_bytes is not None:
+            lines.append(f"  live at the peak: {self.live_peak_bytes / gb:.2f} GB")
         if self.argument_by_dtype:
             lines.append("  arguments by dtype: " + ", ".join(
                 f"{k} {v / gb:.2f} GB" for k, v in _largest(self.argument_by_dtype)))
@@ -366,6 +372,8 @@ def compile_report(lowered: Any, target: str, devices: int, args: Any,
         if assigned:
             with open(assigned[-1]) as f:
                 assignment = f.read()
+        live_peak = _live_peak(assigned[-1].replace("-buffer-assignment.txt",
+                                                    "-live-range.txt")) if assigned else None
     stats = compiled.memory_analysis()
     if isinstance(stats, list | tuple):
         stats = stats[0]
@@ -377,5 +385,18 @@ def compile_report(lowered: Any, target: str, devices: int, args: Any,
         alias_bytes=int(stats.alias_size_in_bytes),
         temp_bytes=int(stats.temp_size_in_bytes),
         argument_by_dtype=_bytes_by_dtype(args), temp_by_dtype=temp_by_dtype,
-        temp_by_shape=tuple(temp_by_shape), hlo=compiled.as_text())
+        temp_by_shape=tuple(temp_by_shape), hlo=compiled.as_text(), live_peak_bytes=live_peak)
     return report, compiled
+
+
+_PEAK = re.compile(r"peak usage: ([\d ]+) bytes")
+
+
+def _live_peak(path: str) -> int | None:
+    """The peak of XLA's live-range dump (``*-live-range.txt``), ``None`` without one."""
+    try:
+        with open(path) as f:
+            found = _PEAK.search(f.read())
+    except OSError:
+        return None
+    return int(found.group(1).replace(" ", "")) if found else None

@@ -60,3 +60,11 @@ def test_without_the_cuda_plugin_says_how_to_install_it():
     # make test's environment has no CUDA plugin (make test-gpu-memory's has).
     with pytest.raises(RuntimeError, match=r'pip install "jax\[cuda13\]".*JAX_PLATFORMS=cpu'):
         jaxamp.gpu_mesh("h200")
+
+
+def test_live_peak_reads_the_live_range_dump(tmp_path):
+    dump = tmp_path / "m.live-range.txt"
+    dump.write_text("HloLiveRange (max 3)\n  Stack trace breakdown for peak usage: 10 949 000 416 "
+                    "bytes\n")
+    assert _gpu_memory._live_peak(str(dump)) == 10_949_000_416
+    assert _gpu_memory._live_peak(str(tmp_path / "missing.txt")) is None

@@ -46,6 +46,8 @@ def test_parts_of_a_known_program():
     assert sum(report.temp_by_dtype.values()) == split
     assert "custom_call_target" in report.hlo or "__triton" in report.hlo  # the GPU's kernels
     assert "H200" in str(report) and "temporaries" in str(report)
+    # XLA's schedule holds at most what the arena allocates.
+    assert 0 < report.live_peak_bytes <= report.total_bytes
 
 
 def test_h100_and_a_target_of_ones_own():
@@ -147,10 +149,9 @@ def test_the_suite_compiles_its_rows_for_a_gpu(tmp_path):
 
 # The memory goals, on an H200, mixed ÷ fp32 of the compiled step, checked on fewer layers of
 # each model at its real width and batch (the full models' figures are in BENCHMARKS.md). ResNet-50
-# misses its goal of 0.55 (0.576 for the full model): its row guards against a regression until
-# the skip's cost below is gone. XLA schedules a step whose every update
-# waits for one finite check over all gradients with 1.4 GB more activations alive than the
-# same step without the check (the bare bf16 step: 10.99 GB, 12.35 with the check).
+# misses its goal of 0.55 (0.576 for the full model): its row guards against a regression. What
+# its schedule holds at the peak is 0.515 of fp32's; XLA's layout of the temporary buffer
+# leaves 1.35 GB of the bf16 step's arena unused (BENCHMARKS.md).
 GOALS = [("bert_large", "mixed_bfloat16", 0.55), ("nnx_gpt", "autocast_bf16", 0.55),
          ("resnet50", "mixed_bfloat16", 0.63)]
 # BERT-Large keeps 8 of its 24 layers: at 2 its MLM head (30522 wide) outweighs the layers.
