@@ -490,11 +490,16 @@ def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
     depth = _near_depth(ctx, invals, const_in)
     if depth is None:
         return
-    step = 0 if eqn.primitive.name in _VIEWS else 1
-    if depth + step <= _NEAR_DEPTH:
+    _set_near(ctx, outs, depth + (0 if eqn.primitive.name in _VIEWS else 1))
+
+
+def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
+    """Records the floating ``outs`` as ``depth`` elementwise ops from kept values, within
+    ``_NEAR_DEPTH``."""
+    if ctx.near is not None and depth <= _NEAR_DEPTH:
         for x in outs:
             if is_floating_array(x):
-                ctx.near[id(x)] = (x, depth + step)
+                ctx.near[id(x)] = (x, depth)
 
 
 def _feeds_only_matmuls(level: _Level, i: int) -> bool:
@@ -627,10 +632,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
         env[v] = x
     if ctx.near is not None:  # recomputed from its inputs: near when they are
         depth = _near_depth(ctx, invals, [v in constant for v in inputs])
-        if depth is not None and depth + 1 <= _NEAR_DEPTH:
-            for x in outs:
-                if is_floating_array(x):
-                    ctx.near[id(x)] = (x, depth + 1)
+        if depth is not None:
+            _set_near(ctx, outs, depth + 1)
     done.update(members)
 
 
@@ -795,10 +798,8 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
                   and id(x) not in (ctx.near or {}) else x for x in invals]
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     outs = out if eqn.primitive.multiple_results else [out]
-    if ctx.near is not None and eqn.primitive.name in _MATMULS:
-        for x in outs:
-            if is_floating_array(x):
-                ctx.near[id(x)] = (x, 0)  # saved (``_SAVED``)
+    if eqn.primitive.name in _MATMULS:
+        _set_near(ctx, outs, 0)  # saved (``_SAVED``)
     return outs
 
 

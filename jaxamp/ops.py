@@ -81,9 +81,9 @@ def _is_half(x: jax.Array) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
 
 
-def _unshared(res: tuple, main: jax.Array) -> tuple:
-    """A backward rule's residuals, behind an optimization barrier where ``main`` (the op's
-    input or output) is half precision.
+def _unshared(res: tuple) -> tuple:
+    """A backward rule's residuals, behind an optimization barrier where the first of them (the
+    op's input or output) is half precision.
 
     A backward rule recomputes fp32 values from a half-precision residual (``xhat`` from ``x``,
     ``tanh`` of GELU's input). Without the barrier XLA sees the same expression as in the
@@ -92,7 +92,7 @@ def _unshared(res: tuple, main: jax.Array) -> tuple:
     BERT-Large's GELU on an H200). ``jax.checkpoint`` guards its recomputation the same way. In
     fp32 there is no half-precision tensor to keep instead, and the rules run as written.
     """
-    return jax.lax.optimization_barrier(res) if _is_half(main) else res
+    return jax.lax.optimization_barrier(res) if _is_half(res[0]) else res
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -126,7 +126,7 @@ def _batch_norm_train_fwd(x, scale, bias, residual, epsilon, relu):
 
 def _batch_norm_train_bwd(epsilon, relu, res, cts):
     del epsilon
-    x, scale, bias, mean, rstd, y, res_like = _unshared(res, res[0])
+    x, scale, bias, mean, rstd, y, res_like = _unshared(res)
     g = _f32(cts[0])  # the statistics' cotangents are ignored: they feed running averages
     if relu:
         g = jnp.where(y > 0, g, 0.0)
@@ -201,7 +201,7 @@ def _batch_norm_eval_fwd(x, scale, bias, mean, var, residual, epsilon, relu):
 
 def _batch_norm_eval_bwd(epsilon, relu, res, g):
     del epsilon
-    x, scale, bias, mean, var, rstd, y, res_like = _unshared(res, res[0])
+    x, scale, bias, mean, var, rstd, y, res_like = _unshared(res)
     g = _f32(g)
     if relu:
         g = jnp.where(y > 0, g, 0.0)
@@ -279,7 +279,7 @@ def _layer_norm_fwd(x, scale, bias, epsilon):
 
 def _layer_norm_bwd(epsilon, res, g):
     del epsilon
-    x, scale, bias, mean, rstd = _unshared(res, res[0])
+    x, scale, bias, mean, rstd = _unshared(res)
     g = _f32(g)
     xhat = (_f32(x) - mean) * rstd
     lead = tuple(range(x.ndim - 1))
@@ -345,7 +345,7 @@ def _attention_softmax_fwd(scores, mask, scale):
 
 
 def _attention_softmax_bwd(scale, res, g):
-    (probs,) = _unshared(res, res[0])
+    (probs,) = _unshared(res)
     p, g = _f32(probs), _f32(g)
     ds = p * (g - (g * p).sum(-1, keepdims=True)) * scale
     return ds.astype(probs.dtype), None
@@ -397,7 +397,7 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(res, g):
-    (x,) = _unshared(res, res[0])
+    (x,) = _unshared(res)
     x32 = _f32(x)
     t = jnp.tanh(_GELU_C * (x32 + 0.044715 * x32 ** 3))
     dy = 0.5 * (1.0 + t) + 0.5 * x32 * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x32 ** 2)
@@ -499,7 +499,7 @@ def _xent_fwd(logits, labels):
 
 
 def _xent_bwd(res, g):
-    logits, labels, lse = _unshared(res, res[0])
+    logits, labels, lse = _unshared(res)
     p = jnp.exp(_f32(logits) - lse[..., None])
     onehot = jax.nn.one_hot(labels, logits.shape[-1], dtype=_F32)
     return ((p - onehot) * _f32(g)[..., None]).astype(logits.dtype), None
