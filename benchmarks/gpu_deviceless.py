@@ -63,7 +63,7 @@ def _placed(built: gpu.Built, prec: gpu.Precision, target: str,
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def abstract(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+        return jax.tree.map(lambda x: _gpu_memory._abstract(x, one), tree)
     return dataclasses.replace(built, state=abstract(built.state),
                                batch=abstract(built.batch)), {}, 1
 
@@ -104,11 +104,9 @@ def run(args) -> list[dict]:
         return render(args.out, target)
     _gpu_memory.gpu_mesh(target)  # fails early, with the install's instructions
     plan = [(m, p) for m, p in gpu._plan(args) if gpu.PRECISIONS[p].kind != "torch"]
-    import jaxlib
-    info = {"target": name, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+    info = {"target": name, **gpu.versions(),
             "cuda_plugin": gpu._version("jax-cuda13-plugin") or gpu._version(
-                "jax-cuda12-plugin"), "flax": gpu._version("flax"),
-            "optax": gpu._version("optax"), "machine": harness.machine(),
+                "jax-cuda12-plugin"), "machine": harness.machine(),
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "tiny": bool(args.tiny), "zero_devices": args.zero_devices}
     print(f"## {gpu.SUITE} --deviceless {target}: compiled for {name} on "
