@@ -174,11 +174,15 @@ def render(out: str, target: str) -> list[dict]:
         f"{first.get('cuda_plugin')}, flax {first.get('flax')}, optax {first.get('optax')}; "
         f"{first.get('machine')}; {first.get('started')}. Memory is XLA:GPU's compiled step: "
         "arguments + outputs - donated + temporaries, per GPU, in GB; ZeRO rows on "
-        f"{first.get('zero_devices')} GPUs. `vs fp32`: against the model's fp32_default row.",
+        f"{first.get('zero_devices')} GPUs. `vs fp32`: against the model's fp32_default row. "
+        "`H200 run`: what the H200 measured on 2026-12-04 for that day's program (commit "
+        "59515a2); `vs H200 run` is the deviceless compile's error only where the program is "
+        "still that day's (benchmarks/results/gpu-deviceless-h200/before.md), elsewhere it "
+        "includes every change since.",
         "",
         "| model | precision | GPUs | mem GB | vs fp32 | arguments | temporaries | temporaries "
-        "by dtype | largest temporaries (values × shape, GB) | compile s | H200 measured | "
-        "off by |",
+        "by dtype | largest temporaries (values × shape, GB) | compile s | H200 run | "
+        "vs H200 run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):

@@ -282,6 +282,47 @@ def test_gpt_is_causal():
     assert not np.allclose(np.asarray(a[:, 10:]), np.asarray(b[:, 10:]))
 
 
+@pytest.mark.parametrize("name", ["bert_tiny", "gpt_tiny"])
+def test_fused_attention_computes_the_explicit_attention(name, monkeypatch):
+    """``attention="cudnn"`` hands q, k, v to ``jax.nn.dot_product_attention`` in its layout,
+    with its default scale and BERT's full or GPT's causal mask: asked for the XLA
+    implementation (cuDNN's compiles for a GPU only), the logits and gradients are the explicit
+    path's within bf16 rounding."""
+    from train.models import transformer
+    monkeypatch.setattr(transformer, "FUSED_IMPLEMENTATION", "xla")
+    batch = make_batch(name)
+    out = {}
+    for attention in ("explicit", "cudnn"):
+        model = models.build(name, "mixed_bfloat16", attention=attention)
+        assert all(layer.attention.fused == (attention == "cudnn") for layer in model.layers)
+        graphdef, params, _ = models.split(model)
+        params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+
+        def loss(p, graphdef=graphdef):
+            logits = models.merge(graphdef, p)(batch["tokens"])
+            return jnp.mean(logits ** 2), logits
+        (_, logits), grads = jit(jax.value_and_grad(loss, has_aux=True))(params)
+        out[attention] = logits, grads
+    (a, ga), (b, gb) = out["explicit"], out["cudnn"]
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.05, rtol=0.05)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        scale = float(jnp.abs(x.astype(F32)).max()) + 1e-6
+        np.testing.assert_allclose(np.asarray(y, F32) / scale, np.asarray(x, F32) / scale,
+                                   atol=0.05)
+
+
+def test_attention_choice():
+    from train.models.transformer import fused_attention
+    assert not fused_attention("auto", BF16, None, 64)  # the CPU backend
+    assert fused_attention("cudnn", BF16, None, 64)
+    assert fused_attention("cudnn", jnp.float16, None, 64)
+    assert not fused_attention("cudnn", F32, None, 64)  # no fp32 kernel: the explicit path
+    assert not fused_attention("cudnn", BF16, jaxamp.fp8.DelayedScaling(), 64)
+    assert not fused_attention("explicit", BF16, None, 64)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        models.build("gpt_tiny", attention="flash")
+
+
 def test_lm_loss_shifts_tokens_without_targets():
     _, graphdef, state, _ = setup("gpt_tiny", "float32")
     batch = make_batch("gpt_tiny")

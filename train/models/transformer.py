@@ -39,6 +39,11 @@ from train.models.layers import Dense
 from train.models.layers import Embed
 from train.models.layers import LayerNorm
 
+ATTENTION = ("auto", "explicit", "cudnn")
+# What ``attention="cudnn"`` asks of ``jax.nn.dot_product_attention`` (the tests check the
+# call's layout and masks on a CPU by asking for "xla", which computes the same function).
+FUSED_IMPLEMENTATION = "cudnn"
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -53,6 +58,14 @@ class TransformerConfig:
       max_len: longest sequence (learned position embeddings).
       type_vocab: segment types (2 for BERT; 0: no segment embeddings).
       epsilon: LayerNorm epsilon.
+      attention: how the attention softmax and its two matmuls run. ``"explicit"``: two
+        einsums around ``jaxamp.ops.attention_softmax`` (fp32 softmax, the half-precision
+        probabilities kept for the backward pass). ``"cudnn"``: cuDNN's fused flash attention
+        through ``jax.nn.dot_product_attention(implementation="cudnn")``, which keeps no
+        probabilities (only the output and fp32 row statistics); it compiles only for a GPU,
+        and layers in fp32 or FP8 run the explicit path (cuDNN's fused kernel takes fp16 or
+        bf16). ``"auto"``: ``"cudnn"`` when JAX's default backend is a GPU, else
+        ``"explicit"``.
     """
 
     vocab: int = 256
@@ -63,8 +76,11 @@ class TransformerConfig:
     max_len: int = 512
     type_vocab: int = 0
     epsilon: float = 1e-5
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not a multiple of heads {self.heads}")
         for field in ("vocab", "width", "depth", "heads", "mlp", "max_len"):
@@ -100,22 +116,48 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), jnp.bool_))
 
 
+def fused_attention(attention: str, dtype: Any, fp8: fp8_lib.DelayedScaling | None,
+                    head_size: int) -> bool:
+    """Whether ``TransformerConfig.attention`` runs cuDNN's fused kernel for layers computing
+    in ``dtype``: fp16 and bf16 only, and not under FP8's delayed scaling (whose two
+    attention matmuls carry their own metadata). ``"auto"`` also wants a head size that every
+    GPU's kernel takes (a multiple of 8, at most 128); an explicit ``"cudnn"`` leaves that
+    check to JAX, which allows 256 on Hopper."""
+    if attention == "auto":
+        on_gpu = jax.default_backend() == "gpu"
+        attention = "cudnn" if on_gpu and head_size % 8 == 0 and head_size <= 128 else "explicit"
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return attention == "cudnn" and half and fp8 is None
+
+
 class SelfAttention(nnx.Module):
-    """Multi-head self-attention with a fused QKV projection."""
+    """Multi-head self-attention with a fused QKV projection; ``causal``: position ``i``
+    attends to positions ``<= i``."""
 
     def __init__(self, width: int, heads: int, *, dtype: Any, rngs: nnx.Rngs,
-                 out_stddev: float = 0.02, fp8: fp8_lib.DelayedScaling | None = None):
+                 out_stddev: float = 0.02, fp8: fp8_lib.DelayedScaling | None = None,
+                 causal: bool = False, attention: str = "explicit"):
         self.heads = heads
+        self.causal = causal
         self.qkv = _linear(width, 3 * width, dtype=dtype, rngs=rngs, fp8=fp8)
         self.out = _linear(width, width, dtype=dtype, rngs=rngs, stddev=out_stddev, fp8=fp8)
+        self.fused = fused_attention(attention, dtype, fp8, width // heads)
         # The two activation-by-activation matmuls, each with its own FP8 metadata.
         self.scores = None if fp8 is None else fp8_lib.EinsumOp(fp8)
         self.mix = None if fp8 is None else fp8_lib.EinsumOp(fp8)
 
     def __call__(self, x_BxLxD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """``mask``: True where a position may attend, broadcastable to ``(B, H, L, L)``."""
         B, L, D = x_BxLxD.shape
         H = self.heads
         q, k, v = (t.reshape(B, L, H, D // H) for t in jnp.split(self.qkv(x_BxLxD), 3, -1))
+        if self.fused:
+            att_BxLxHxK = jax.nn.dot_product_attention(
+                q, k, v, mask=None if mask is None else jnp.broadcast_to(mask, (B, H, L, L)),
+                is_causal=self.causal, implementation=FUSED_IMPLEMENTATION)
+            return self.out(att_BxLxHxK.reshape(B, L, D))
+        if self.causal:
+            mask = causal_mask(L) if mask is None else mask & causal_mask(L)
         scores_BxHxLxL = (self.scores or jnp.einsum)("blhd,bmhd->bhlm", q, k)
         # fp32 softmax; the probabilities come back in the compute dtype for the value matmul.
         probs_BxHxLxL = attention_softmax(scores_BxHxLxL, mask, scale=1.0 / math.sqrt(D // H))
@@ -128,11 +170,12 @@ class Block(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, pre_norm: bool, dtype: Any,
                  rngs: nnx.Rngs, out_stddev: float = 0.02,
-                 fp8: fp8_lib.DelayedScaling | None = None):
+                 fp8: fp8_lib.DelayedScaling | None = None, causal: bool = False):
         c = config
         self.pre_norm = pre_norm
         self.attention = SelfAttention(c.width, c.heads, dtype=dtype, rngs=rngs,
-                                       out_stddev=out_stddev, fp8=fp8)
+                                       out_stddev=out_stddev, fp8=fp8, causal=causal,
+                                       attention=c.attention)
         self.norm1 = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
         self.mlp_in = _linear(c.width, c.mlp, dtype=dtype, rngs=rngs, fp8=fp8)
         self.mlp_out = _linear(c.mlp, c.width, dtype=dtype, rngs=rngs, stddev=out_stddev,
@@ -218,7 +261,8 @@ class GPT(nnx.Module):
         self.token_embed = Embed(c.vocab, c.width, dtype=dtype, fp8=fp8, rngs=rngs)
         self.position_embed = Embed(c.max_len, c.width, dtype=dtype, stddev=0.01, rngs=rngs)
         self.layers = nnx.List([Block(c, pre_norm=True, dtype=dtype, rngs=rngs,
-                                      out_stddev=out_stddev, fp8=fp8) for _ in range(c.depth)])
+                                      out_stddev=out_stddev, fp8=fp8, causal=True)
+                                for _ in range(c.depth)])
         self.final_norm = LayerNorm(c.width, dtype=dtype, epsilon=c.epsilon)
 
     def __call__(self, tokens_BxL: jax.Array, *, logits_dtype: Any = F32) -> jax.Array:
@@ -227,8 +271,7 @@ class GPT(nnx.Module):
         L = tokens_BxL.shape[1]
         x = bias_add(self.token_embed(tokens_BxL),
                      self.position_embed.embedding[...][:L].astype(self.dtype))
-        mask = causal_mask(L)
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x)
         logits_BxLxV = self.token_embed.attend(self.final_norm(x))
         return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
