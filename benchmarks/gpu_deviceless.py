@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import gc
 import os
+import re
 import time
 from typing import Any
 
@@ -92,7 +93,20 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
             "argument_by_dtype_gb": {k: v / GB for k, v in report.argument_by_dtype.items()},
             "temp_by_dtype_gb": {k: v / GB for k, v in report.temp_by_dtype.items()},
             "temp_largest": [[label, n, b / GB] for label, n, b in report.temp_by_shape[:8]],
-            "flops": flops, **gpu.kernel_fingerprint(compiled)}
+            "flops": flops, **program_counts(compiled), **gpu.kernel_fingerprint(compiled)}
+
+
+def program_counts(compiled) -> dict[str, Any]:
+    """What the optimized program runs: its fusions (XLA:GPU's own kernels) and its cuDNN
+    fused-attention calls (forward and backward). A deviceless executable has no cost analysis
+    (``cost_analysis()`` is None), so the bytes it moves are not reported here."""
+    text = compiled.as_text()
+    return {"fusions": len(_FUSION.findall(text)),
+            "cudnn_attention": text.count('custom_call_target="__cudnn$fmha')}
+
+
+# An instruction whose opcode is fusion (its shape may be a tuple, with spaces).
+_FUSION = re.compile(r"^\s*(?:ROOT )?%\S+ = [^=]*? fusion\(", re.MULTILINE)
 
 
 def run(args) -> list[dict]:
@@ -181,22 +195,25 @@ def render(out: str, target: str) -> list[dict]:
         "includes every change since.",
         "",
         "| model | precision | GPUs | mem GB | vs fp32 | arguments | temporaries | temporaries "
-        "by dtype | largest temporaries (values × shape, GB) | compile s | H200 run | "
-        "vs H200 run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "by dtype | largest temporaries (values × shape, GB) | fusions (cuDNN attention) | "
+        "compile s | H200 run | vs H200 run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['model']} | {r['precision']} | | error: {r['error'][:120]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         dtypes = ", ".join(f"{k} {v:.2f}" for k, v in sorted(
             r["temp_by_dtype_gb"].items(), key=lambda kv: -kv[1]) if v >= 0.005)
         vs = "" if r["vs_fp32_default"] is None else f"{r['vs_fp32_default']:.3f}"
         real = "" if r["h200_measured_gb"] is None else f"{r['h200_measured_gb']:.2f}"
         off = "" if r["off_by"] is None else f"{100 * r['off_by']:+.1f}%"
+        fusions = "" if r.get("fusions") is None else \
+            f"{r['fusions']} ({r['cudnn_attention']})"
         lines.append(f"| {r['model']} | {r['precision']} | {r['devices']} | "
                      f"{r['mem_gb']:.2f} | {vs} | {r['argument_gb']:.2f} | {r['temp_gb']:.2f} "
-                     f"| {dtypes} | {_largest(r)} | {r['compile_s']:.1f} | {real} | {off} |")
+                     f"| {dtypes} | {_largest(r)} | {fusions} | {r['compile_s']:.1f} | {real} "
+                     f"| {off} |")
     path = os.path.join(out, f"gpu_deviceless_{target}.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -171,6 +171,8 @@ def test_the_suite_compiles_its_rows_for_a_gpu(tmp_path):
     assert zero3["devices"] == 2  # the tiny batch of 2 splits over 2 of the 8 GPUs
     assert fp32["vs_fp32_default"] == 1 and 0 < zero3["vs_fp32_default"] < 1.5
     assert sum(zero3["temp_by_dtype_gb"].values()) <= zero3["temp_gb"]
+    # fp32: the explicit attention; its fusions are XLA:GPU's kernels
+    assert fp32["cudnn_attention"] == 0 and fp32["fusions"] > 10
     text = (tmp_path / "gpu_deviceless_h200.md").read_text()
     assert "| bert_large | mixed_bfloat16_zero3 | 2 |" in text
     stored = [json.loads(line) for line in
@@ -202,5 +204,7 @@ def test_memory_goal(model, precision, goal):
             for p in (precision, "fp32_default")}
     ratio = rows[precision]["mem_gb"] / rows["fp32_default"]["mem_gb"]
     assert ratio <= goal, (ratio, rows)
+    # What is left in fp32 (the loss head's statistics, cuDNN's softmax statistics) is small;
+    # one fp32 activation per layer, the regression fixed here, is a quarter of them or more.
     fp32_left = rows[precision]["temp_by_dtype_gb"].get("float32", 0)
-    assert fp32_left < 0.02 * rows[precision]["temp_gb"], rows[precision]["temp_largest"]
+    assert fp32_left < 0.03 * rows[precision]["temp_gb"], rows[precision]["temp_largest"]
