@@ -159,6 +159,9 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
     elif name == "shard_map":
         mesh = params.get("mesh")
         mult = float(getattr(mesh, "size", 1) or 1)
+    if name == "cond" and _platform_branch(eqn) is not None:
+        yield _platform_branch(eqn), 1.0
+        return
     if name == "cond":
         # Count each branch once; a report shows the upper bound over branches.
         for branch in params.get("branches", ()):
@@ -207,6 +210,24 @@ def walk_levels(jaxpr: Any, mult: float = 1.0,
         yield eqn, mult, producers, outer
         for sub, m in sub_jaxprs(eqn):
             yield from walk_levels(sub, mult * m, nested_stack(eqn, outer))
+
+
+def _platform_branch(eqn: Any) -> Any:
+    """The branch of a ``lax.platform_dependent`` cond that runs on JAX's default backend
+    (None for any other cond). Its branches are alternatives for different platforms (cuDNN's
+    attention or XLA's under autocast), not paths of one program."""
+    platforms = eqn.params.get("branches_platforms")
+    if not platforms:
+        return None
+    backend = jax.default_backend()
+    names = ("cuda", "rocm", "gpu") if backend == "gpu" else (backend,)
+    branches = eqn.params["branches"]
+    chosen = next((i for i, group in enumerate(platforms)
+                   if group is not None and any(p in names for p in group)),
+                  next((i for i, group in enumerate(platforms) if group is None), None))
+    if chosen is None:  # no branch for this backend: the program cannot run here
+        return None
+    return getattr(branches[chosen], "jaxpr", branches[chosen])
 
 
 # Call-like primitives whose body :func:`evaluate` runs inline, so that the ops inside are seen.

@@ -98,6 +98,27 @@ def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
     return 2.0 * batch * lhs_free * rhs_free * contract
 
 
+# cuDNN's fused attention (``jax.nn.dot_product_attention(implementation="cudnn")``): its
+# primitives, and how many times the two matmuls of the forward pass each runs: twice in the
+# backward pass (the gradients of both operands of each), as the explicit attention's
+# ``dot_general``s do. The flash kernel's recomputation of the scores is not counted.
+FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": 1, "dot_product_attention_fwd": 1,
+                   "dot_product_attention_bwd_wrapper": 2, "dot_product_attention_bwd": 2}
+
+
+def fused_attention_flops(q_shape, k_shape, v_shape, layout: int) -> float:
+    """The forward pass's two matmuls, ``q @ k.T`` and ``probs @ v``: 2 × B × heads × T × S ×
+    (head size + value head size). ``layout`` is JAX's ``AttentionLayout``: 0 for (B, T, N,
+    H), 1 for (B, N, T, H)."""
+    if layout == 0:
+        b, t, n, h = q_shape
+        s = k_shape[1]
+    else:
+        b, n, t, h = q_shape
+        s = k_shape[2]
+    return 2.0 * b * n * t * s * (h + v_shape[-1])
+
+
 def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> float:
     """Multiply-adds on real data: 2 × (kernel taps landing on real input elements, summed
     over the output positions) × batch × output features × kernel input features (per group).
@@ -414,6 +435,15 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),
                                       tuple(rhs.shape), flops, where(eqn), scope(eqn, outer),
                                       sources))
+        elif name in FUSED_ATTENTION:
+            q, k, v = (x.aval for x in eqn.invars[:3])
+            flops = mult * FUSED_ATTENTION[name] * fused_attention_flops(
+                q.shape, k.shape, v.shape, int(eqn.params.get("layout", 0)))
+            dtype = _dtype_name(q)
+            by_operands[dtype] += flops
+            by_output[dtype] += flops
+            matmuls.append(MatmulSite(name, dtype, _dtype_name(k), dtype, tuple(q.shape),
+                                      tuple(k.shape), flops, where(eqn), scope(eqn, outer), ""))
         elif name in _SENSITIVE:
             avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]
             if avals and any(jnp.dtype(a.dtype) in _HALF for a in avals):

@@ -59,6 +59,18 @@ first matmul's output and recomputes the GELU, so each keeps one tensor where it
 H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). The arguments and
 their casts are never saved.
 
+Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
+(flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one) runs, under a half
+compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
+(``lax.platform_dependent``: the choice follows the platform the program is lowered for, a
+deviceless compile for a GPU included), and as the XLA implementation under the rules above
+elsewhere. Autocast traces ``fn`` in fp32, where JAX would pick the XLA implementation, so it
+sees the call (it calls a marked ``jax.jit`` while ``fn`` is traced) and makes the choice
+itself. cuDNN's kernel keeps the output and fp32 row statistics for the backward pass, not the
+probabilities. Shapes and options the kernel does not take (JAX checks them when it traces the
+fused call), and a call made inside an fp32 region, scope or :func:`full_precision`, or under
+an FP8 policy, keep the XLA implementation.
+
 Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
 or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
 region that runs exactly as written (torch's ``autocast(enabled=False)``).
@@ -66,6 +78,7 @@ region that runs exactly as written (torch's ``autocast(enabled=False)``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -113,7 +126,8 @@ DEFAULT_RULES: Mapping[str, str] = {
 # Outputs kept for the backward pass under ``recompute=True``: the matmuls', and those of the
 # few other ops that are costly to run twice (collectives, sorts, FFTs, linear algebra,
 # pooling windows). Everything else between them is recomputed from these.
-_SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "psum", "psum_invariant", "pmax",
+_SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fwd",
+                    "dot_product_attention_fwd_wrapper", "psum", "psum_invariant", "pmax",
                     "pmin", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
                     "reduce_scatter", "psum_scatter", "sort", "top_k", "fft", "cholesky", "lu",
                     "qr", "eigh", "svd", "triangular_solve", "reduce_window_sum",
@@ -235,7 +249,9 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             return fn(*a, **k)
 
         arrays = [leaves[i] for i in traced]
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+        attention_calls: dict = {}
+        with _marking_attention(attention_calls):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
 
         recomputed = recompute and context.regions and not closed.effects
 
@@ -243,6 +259,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         def evaluate(*arrays):
             ctx = dataclasses.replace(context, upcasts={}, scopes_seen=scopes_seen,
+                                      attention=attention_calls,
                                       cheap={id(a): a for a in arrays} if recomputed else None,
                                       near={} if recomputed else None)
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
@@ -311,6 +328,8 @@ class _Context:
     # the saved matmul outputs rather than saved beside them: a softmax's probabilities from
     # the scores, a GELU from its matmul's output.
     near: dict | None = dataclasses.field(default=None, compare=False)
+    # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
+    attention: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> str:
         if _FULL_PRECISION in stack:
@@ -650,6 +669,10 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = ctx.rule(eqn, stack)
+    if name in _INLINE and eqn.params.get("name") in ctx.attention and rule == "promote":
+        fused = _fused_attention(ctx, eqn, invals, stack, const_in)
+        if fused is not None:
+            return fused
     if rule != "original":
         if name in _INLINE and _INLINE[name] in eqn.params:
             return _body(ctx, eqn.params[_INLINE[name]], stack, const_in)(*invals)
@@ -669,6 +692,74 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
         rule = "compute"  # an integer matmul: nothing to quantize
     cast_rule = "compute" if rule == "fp8" else rule
     return _bind(eqn, _cast_inputs(ctx, eqn, invals, cast_rule, const_in), rule, ctx)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused attention
+# --------------------------------------------------------------------------------------------
+
+_ATTENTION = "jaxamp_dot_product_attention"
+
+
+@contextlib.contextmanager
+def _marking_attention(calls: dict):
+    """While ``fn`` is traced, ``jax.nn.dot_product_attention`` without an ``implementation``
+    runs inside a ``jax.jit`` named ``_ATTENTION_<n>``, which :func:`_equation` recognises;
+    ``calls`` gets each one's options. The marked call computes the same function (a nested
+    jit), so a trace in another thread meanwhile, which sees it too, is not changed."""
+    original = jax.nn.dot_product_attention
+
+    def marked(query, key, value, bias=None, mask=None, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("scale", "is_causal", "local_window_size")
+                   if k in kwargs}
+        # An implementation, sequence lengths, the residual (or an option of a newer JAX):
+        # the call as asked, untouched.
+        if any(v is not None and v is not False for v in kwargs.values()):
+            return original(query, key, value, bias, mask, **options, **kwargs)
+        name = f"{_ATTENTION}_{len(calls)}"
+        calls[name] = dict(options, bias=bias is not None, mask=mask is not None)
+
+        def call(q, k, v, b, m):
+            return original(q, k, v, b, m, **options)
+        call.__name__ = call.__qualname__ = name
+        return jax.jit(call)(query, key, value, bias, mask)
+
+    jax.nn.dot_product_attention = marked
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention = original
+
+
+def _fused_attention(ctx: _Context, eqn: Any, invals: list, stack: str,
+                     const_in: Sequence[bool]) -> list | None:
+    """A marked attention call under a half compute dtype: cuDNN's kernel where the program
+    is lowered for CUDA, the XLA implementation under the rules elsewhere. None where the
+    fused kernel is not an option (fp32 or FP8 compute, a shape or dtype cuDNN does not
+    take): the caller then inlines the call like any jit."""
+    options = dict(ctx.attention[eqn.params["name"]])
+    if not ctx.regions or ctx.rules.get("dot_general") == "fp8":
+        return None
+    has_bias, has_mask = options.pop("bias"), options.pop("mask")
+    it = iter(invals)
+    q, k, v = (_cast(next(it), ctx.compute) for _ in range(3))
+    bias = _cast(next(it), ctx.compute) if has_bias else None
+    mask = next(it) if has_mask else None
+    explicit_body = _body(ctx, eqn.params["jaxpr"], stack, const_in)
+
+    def fused(q, k, v, bias, mask):
+        out = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="cudnn",
+                                           **options)
+        return [out]
+
+    def explicit(q, k, v, bias, mask):
+        args = [q, k, v] + ([bias] if has_bias else []) + ([mask] if has_mask else [])
+        return [_cast(x, ctx.compute) for x in explicit_body(*args)]
+    try:  # JAX checks cuDNN, the dtypes, head size and masks when it traces the call
+        jax.eval_shape(fused, q, k, v, bias, mask)
+    except Exception:  # noqa: BLE001 - any refusal means: not this kernel
+        return None
+    return lax.platform_dependent(q, k, v, bias, mask, cuda=fused, default=explicit)
 
 
 def _downcast_source(ctx: _Context, x: Any) -> Any:

@@ -630,6 +630,40 @@ def test_recompute_keeps_the_scores_not_the_probabilities():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
+def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
+    """Autocast sees ``jax.nn.dot_product_attention`` (flax NNX's attention calls it) as one
+    marked call while it traces, and puts JAX's function back afterwards, on an error too. An
+    explicit ``implementation`` is passed through as asked. Without cuDNN (this CPU lane) the
+    call runs the XLA implementation under the rules: the same values as before."""
+    from jaxamp import autocasting
+    from jaxamp._jaxpr import walk
+    original = jax.nn.dot_product_attention
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
+    seen = []
+
+    def f(q, k, v, implementation=None):
+        seen.append(jax.nn.dot_product_attention is original)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=implementation)
+        return jnp.mean(out ** 2)
+
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(q, k, v)
+    assert seen == [False] and jax.nn.dot_product_attention is original
+    names = {e.params.get("name") for e, _ in walk(jaxpr.jaxpr)
+             if e.primitive.name in ("pjit", "jit")}
+    assert not any(str(n).startswith(autocasting._ATTENTION) for n in names)  # evaluated away
+    marked = jaxamp.autocast(f)(q, k, v)
+    as_asked = jaxamp.autocast(f)(q, k, v, "xla")
+    assert marked.dtype == jnp.float32
+    np.testing.assert_allclose(float(marked), float(as_asked), rtol=1e-6)
+
+    def fails(q):
+        raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"):
+        jaxamp.autocast(fails)(q)
+    assert jax.nn.dot_product_attention is original
+
+
 def test_recompute_saves_an_operand_a_long_chain_away_from_the_saved_values():
     """An elementwise chain longer than 16 ops is not run again in the backward pass: its end,
     a matmul's operand, is saved."""

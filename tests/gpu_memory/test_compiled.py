@@ -8,6 +8,7 @@ layer shapes and batches but fewer layers (2; 8 of BERT-Large's 24), which compi
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,63 @@ def test_the_reference_transformers_lower_attention_to_cudnn(name, mask):
     assert fused.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 2
     assert f'"mask_type": "{mask}"' in fused
     assert "__cudnn$fmha" not in hlo["float32"]
+
+
+def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
+    """The user's NNX GPT (``nnx.MultiHeadAttention``, fp32 layers) under
+    ``make_train_step(autocast=True)``: compiled for an H200 its attention is cuDNN's flash
+    kernel, once forward and once backward per layer (the forward's output is kept, not run
+    again), in less memory than the XLA attention's; on this CPU the same step runs the XLA
+    implementation under the rules, equal to the step that asks for it."""
+    from train.models import nnx_gpt
+    depth, heads, width = 2, 2, 128  # heads of 64
+    loss_fn, params = nnx_gpt.loss_and_params(vocab=256, width=width, depth=depth, heads=heads,
+                                              max_len=256)
+    tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 257)), jnp.int32)
+    batch = {"tokens": tokens}
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
+    report = jaxamp.gpu_memory(step, _abstract(state), _abstract(batch), target="h200")
+    # The mask of nnx.make_causal_mask makes them cuDNN's kernels with a bias.
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', report.hlo)
+    assert len([c for c in calls if not c.endswith("Backward")]) == depth, calls
+    assert len([c for c in calls if c.endswith("Backward")]) == depth, calls
+    # The XLA attention, asked for by name (autocast passes such a call through as it is).
+    original = jax.nn.dot_product_attention
+
+    def xla_attention(*args, **kwargs):
+        return original(*args, **{**kwargs, "implementation": "xla"})
+    try:
+        jax.nn.dot_product_attention = xla_attention
+        explicit_step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
+        explicit = jaxamp.gpu_memory(explicit_step, _abstract(state), _abstract(batch),
+                                     target="h200")
+        cpu_explicit = explicit_step(state, batch)[1]["loss"]
+    finally:
+        jax.nn.dot_product_attention = original
+    assert "__cudnn$fmha" not in explicit.hlo
+    assert report.temp_bytes < explicit.temp_bytes
+    np.testing.assert_allclose(float(step(state, batch)[1]["loss"]), float(cpu_explicit),
+                               rtol=1e-6)
+
+
+def test_the_audit_counts_cudnns_attention_flops():
+    """cuDNN's fused attention is matmuls too: the audit counts its two forward matmuls, and
+    twice those in the backward pass, as for the explicit attention's ``dot_general``s."""
+    s = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v, implementation):
+        out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)
+        return out.astype(jnp.float32).sum()
+    fused = jaxamp.audit_grad(lambda q, k, v: loss(q, k, v, "cudnn"), s, s, s,
+                              argnums=(0, 1, 2))
+    explicit = jaxamp.audit_grad(lambda q, k, v: loss(q, k, v, "xla"), s, s, s,
+                                 argnums=(0, 1, 2))
+    forward = 2 * 2 * 4 * 128 * 128 * (64 + 64)
+    assert fused.total_matmul_flops == 3 * forward
+    assert fused.matmul_flops_by_operands == {"bfloat16": 3 * forward}
+    assert explicit.total_matmul_flops == pytest.approx(3 * forward)
 
 
 def test_the_zero3_state_on_eight_gpus():
