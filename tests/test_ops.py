@@ -347,3 +347,79 @@ def test_half_precision_residuals_are_read_behind_a_barrier(op, dtype, guarded):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(x)
     names = {e.primitive.name for e, _ in _jaxpr.walk(jaxpr)}
     assert ("optimization_barrier" in names) == guarded
+
+
+# --------------------------------------------------------------------------------------------
+# The fused output projection and cross-entropy
+# --------------------------------------------------------------------------------------------
+
+def _head(dtype, rows=37, features=16, classes=50):
+    k = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(k[0], (rows, features)).astype(dtype)
+    w = (0.3 * jax.random.normal(k[1], (classes, features))).astype(dtype)
+    b = jax.random.normal(k[2], (classes,)).astype(dtype)
+    labels = jax.random.randint(k[3], (rows,), 0, classes)
+    weights = (jax.random.uniform(k[4], (rows,)) > 0.3).astype(jnp.float32)
+    return x, w, b, labels, weights
+
+
+def _plain_head(x, w, b, labels, weights):
+    logits = jnp.einsum("nd,vd->nv", x, w, preferred_element_type=jnp.float32)
+    logits = logits + b.astype(jnp.float32)
+    losses = ops.softmax_cross_entropy(logits, labels)
+    return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0), logits.argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [8, 37, None])  # 8 leaves a partial chunk
+def test_linear_softmax_cross_entropy_is_the_head_and_its_loss(dtype, chunk_rows):
+    """The loss, the argmax and the gradients of x, w and bias are the plain head's (to fp32
+    rounding in fp32, to bf16 rounding of the gradients in bf16), under any cotangent."""
+    x, w, b, labels, weights = _head(dtype)
+
+    def fused(x, w, b):
+        loss, predicted = ops.linear_softmax_cross_entropy(x, w, labels, bias=b,
+                                                           weights=weights,
+                                                           chunk_rows=chunk_rows)
+        return 3.0 * loss, predicted
+
+    def plain(x, w, b):
+        loss, predicted = _plain_head(x, w, b, labels, weights)
+        return 3.0 * loss, predicted
+    (lf, pf), gf = jax.value_and_grad(fused, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+    (lp, pp), gp = jax.value_and_grad(plain, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+    np.testing.assert_allclose(float(lf), float(lp), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pf), np.asarray(pp))
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for a, c in zip(gf, gp, strict=True):
+        assert a.dtype == c.dtype == dtype
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        np.testing.assert_allclose(a / np.abs(c).max(), c / np.abs(c).max(), atol=tol)
+
+
+def test_linear_softmax_cross_entropy_keeps_no_logits():
+    """Saved for backward: the gradients of x, w and the bias, not the (rows, classes)
+    logits a plain head keeps; the default chunk holds at most 2**26 logits."""
+    x, w, b, labels, weights = _head(jnp.bfloat16, rows=512, features=64, classes=4096)
+    saved = jaxamp.audit_grad(
+        lambda x, w: ops.linear_softmax_cross_entropy(x, w, labels, bias=b)[0], x, w,
+        argnums=(0, 1)).saved_bytes
+    plain = jaxamp.audit_grad(lambda x, w: _plain_head(x, w, b, labels, jnp.ones(512))[0], x,
+                              w, argnums=(0, 1)).saved_bytes
+    assert saved <= 512 * 64 * 2 + 4096 * 64 * 2 + 4096 * 2 + 1024  # dx, dw, dbias
+    assert plain >= 512 * 4096 * 2
+    assert ops._chunk_rows(32768, 30522) == 2198
+
+
+def test_linear_softmax_cross_entropy_refuses_bad_shapes():
+    x, w, b, labels, weights = _head(jnp.float32)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.linear_softmax_cross_entropy(x, w.T, labels)
+    with pytest.raises(ValueError, match="labels must be"):
+        ops.linear_softmax_cross_entropy(x, w, labels[:3])
+    with pytest.raises(TypeError, match="cast the param"):
+        ops.linear_softmax_cross_entropy(x, w.astype(jnp.bfloat16), labels)
+    with pytest.raises(ValueError, match="weights must be"):
+        ops.linear_softmax_cross_entropy(x, w, labels, weights=weights[:3])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        ops.linear_softmax_cross_entropy(x, w, labels, chunk_rows=0)

@@ -311,6 +311,30 @@ def test_fused_attention_computes_the_explicit_attention(name, monkeypatch):
                                    atol=0.05)
 
 
+@pytest.mark.parametrize("name", ["bert_tiny", "gpt_tiny"])
+def test_the_fused_loss_head_is_the_logits_and_their_loss(name):
+    """``fused_loss=True`` (the default) computes the tied projection and the cross-entropy in
+    chunks: the same loss, accuracy and gradients as the logits' path, masked positions
+    included."""
+    batch = dict(make_batch(name))
+    batch["mask"] = (jnp.arange(batch["tokens"].shape[1]) % 3 != 0).astype(F32)[None].repeat(
+        batch["tokens"].shape[0], 0)
+    out = {}
+    for fused in (True, False):
+        model = models.build(name, "mixed_bfloat16", fused_loss=fused)
+        graphdef, params, _ = models.split(model)
+        loss_fn = (models.mlm_loss if name.startswith("bert") else models.lm_loss)(graphdef)
+        params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+        out[fused] = jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
+    ((lf, af), gf), ((lp, ap), gp) = out[True], out[False]
+    np.testing.assert_allclose(float(lf), float(lp), rtol=1e-3)
+    np.testing.assert_allclose(float(af["accuracy"]), float(ap["accuracy"]), atol=0.02)
+    for x, y in zip(jax.tree.leaves(gf), jax.tree.leaves(gp), strict=True):
+        scale = float(jnp.abs(y.astype(F32)).max()) + 1e-6
+        np.testing.assert_allclose(np.asarray(x, F32) / scale, np.asarray(y, F32) / scale,
+                                   atol=0.02)
+
+
 def test_attention_choice():
     from train.models.transformer import fused_attention
     assert not fused_attention("auto", BF16, None, 64)  # the CPU backend

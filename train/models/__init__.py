@@ -203,16 +203,6 @@ def classification_loss(graphdef: nnx.GraphDef, *, train: bool = True) -> Callab
     return loss_fn
 
 
-def _token_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
-                mask_BxL: jax.Array | None) -> tuple[jax.Array, dict]:
-    # The logits stay in the compute dtype: the cross-entropy upcasts them inside and saves
-    # them as they are for the backward pass (the (B, L, vocab) logits are the largest
-    # activation of a small-width model).
-    loss = _weighted_mean(softmax_cross_entropy(logits_BxLxV, targets_BxL), mask_BxL)
-    accuracy = _weighted_mean(logits_BxLxV.argmax(-1) == targets_BxL, mask_BxL)
-    return loss, {"accuracy": accuracy}
-
-
 def _with_model_state(loss_of_model: Callable, graphdef: nnx.GraphDef,
                       has_model_state: bool) -> Callable:
     """``loss_fn(params, batch) -> (loss, aux)``; with ``has_model_state`` (FP8 metadata),
@@ -236,8 +226,9 @@ def mlm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callab
     positions.
     """
     def loss_of_model(model, batch):
-        logits = model(batch["tokens"], batch.get("segments"), logits_dtype=None)
-        return _token_loss(logits, batch["targets"], batch.get("mask"))
+        targets, mask = batch["targets"], batch.get("mask")
+        loss, predicted = model.loss(batch["tokens"], targets, mask, batch.get("segments"))
+        return loss, {"accuracy": _weighted_mean(predicted == targets, mask)}
     return _with_model_state(loss_of_model, graphdef, has_model_state)
 
 
@@ -261,6 +252,6 @@ def lm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callabl
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
             return (_weighted_mean(losses, mask),
                     {"accuracy": _weighted_mean(logits.argmax(-1) == targets, mask)})
-        logits = model(tokens, logits_dtype=None)
-        return _token_loss(logits, targets, mask)
+        loss, predicted = model.loss(tokens, targets, mask)
+        return loss, {"accuracy": _weighted_mean(predicted == targets, mask)}
     return _with_model_state(loss_of_model, graphdef, has_model_state)

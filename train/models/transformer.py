@@ -34,6 +34,8 @@ from jaxamp import fp8 as fp8_lib
 from jaxamp.ops import attention_softmax
 from jaxamp.ops import bias_add
 from jaxamp.ops import gelu
+from jaxamp.ops import linear_softmax_cross_entropy
+from jaxamp.ops import softmax_cross_entropy
 from train.models.layers import F32
 from train.models.layers import Dense
 from train.models.layers import Embed
@@ -66,6 +68,10 @@ class TransformerConfig:
         and layers in fp32 or FP8 run the explicit path (cuDNN's fused kernel takes fp16 or
         bf16). ``"auto"``: ``"cudnn"`` when JAX's default backend is a GPU, else
         ``"explicit"``.
+      fused_loss: the losses' output projection and cross-entropy in one chunked op
+        (``jaxamp.ops.linear_softmax_cross_entropy``), which never holds the ``(batch, length,
+        vocab)`` logits or their gradient; ``False``: the logits, then the cross-entropy. FP8
+        models keep the logits (their projection is an FP8 matmul).
     """
 
     vocab: int = 256
@@ -77,6 +83,7 @@ class TransformerConfig:
     type_vocab: int = 0
     epsilon: float = 1e-5
     attention: str = "auto"
+    fused_loss: bool = True
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -194,6 +201,31 @@ class Block(nnx.Module):
         return self.norm2(x + self._mlp(x))
 
 
+def _head_loss(model: BertMLM | GPT, h_BxLxD: jax.Array, targets_BxL: jax.Array,
+               mask_BxL: jax.Array | None, bias_V: jax.Array | None
+               ) -> tuple[jax.Array, jax.Array]:
+    """The tied projection of ``h_BxLxD`` and its cross-entropy: fused
+    (``linear_softmax_cross_entropy``) unless the config says not or the projection is FP8."""
+    embed = model.token_embed
+    if model.config.fused_loss and embed.dot is None:
+        B, L, D = h_BxLxD.shape
+        loss, predicted = linear_softmax_cross_entropy(
+            h_BxLxD.reshape(B * L, D), embed.embedding[...].astype(model.dtype),
+            targets_BxL.reshape(B * L), bias=bias_V,
+            weights=None if mask_BxL is None else mask_BxL.reshape(B * L))
+        return loss, predicted.reshape(B, L)
+    logits_BxLxV = embed.attend(h_BxLxD)
+    if bias_V is not None:
+        logits_BxLxV = bias_add(logits_BxLxV, bias_V)
+    losses = softmax_cross_entropy(logits_BxLxV, targets_BxL).astype(F32)
+    if mask_BxL is None:
+        loss = losses.mean()
+    else:
+        weights = mask_BxL.astype(F32)
+        loss = (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    return loss, logits_BxLxV.argmax(-1)
+
+
 def _check_tokens(tokens_BxL: jax.Array, max_len: int) -> None:
     if tokens_BxL.ndim != 2:
         raise ValueError(f"tokens must have shape (batch, length), got {tokens_BxL.shape}")
@@ -228,6 +260,20 @@ class BertMLM(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None, *,
                  logits_dtype: Any = F32) -> jax.Array:
         """Logits in ``logits_dtype`` (fp32; ``None`` keeps the compute dtype)."""
+        h = self.hidden(tokens_BxL, segments_BxL)
+        logits_BxLxV = bias_add(self.token_embed.attend(h), self.mlm_bias[...].astype(self.dtype))
+        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
+
+    def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+             mask_BxL: jax.Array | None = None, segments_BxL: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+        """``(mean cross-entropy over the positions weighted by mask_BxL, predicted tokens)``,
+        through the fused head where the config asks for it (see :func:`_head_loss`)."""
+        return _head_loss(self, self.hidden(tokens_BxL, segments_BxL), targets_BxL, mask_BxL,
+                          self.mlm_bias[...].astype(self.dtype))
+
+    def hidden(self, tokens_BxL: jax.Array, segments_BxL: jax.Array | None = None) -> jax.Array:
+        """What the tied output projection reads: the MLM head's normalized features."""
         _check_tokens(tokens_BxL, self.config.max_len)
         L = tokens_BxL.shape[1]
         x = bias_add(self.token_embed(tokens_BxL),
@@ -239,9 +285,7 @@ class BertMLM(nnx.Module):
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x)
-        h = self.mlm_norm(gelu(self.mlm_dense(x)))
-        logits_BxLxV = bias_add(self.token_embed.attend(h), self.mlm_bias[...].astype(self.dtype))
-        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
+        return self.mlm_norm(gelu(self.mlm_dense(x)))
 
 
 class GPT(nnx.Module):
@@ -267,11 +311,21 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, *, logits_dtype: Any = F32) -> jax.Array:
         """Logits in ``logits_dtype`` (fp32; ``None`` keeps the compute dtype)."""
+        logits_BxLxV = self.token_embed.attend(self.hidden(tokens_BxL))
+        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
+
+    def loss(self, tokens_BxL: jax.Array, targets_BxL: jax.Array,
+             mask_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(mean next-token cross-entropy over the positions weighted by mask_BxL, predicted
+        tokens)``, through the fused head where the config asks for it."""
+        return _head_loss(self, self.hidden(tokens_BxL), targets_BxL, mask_BxL, None)
+
+    def hidden(self, tokens_BxL: jax.Array) -> jax.Array:
+        """What the tied output projection reads: the final LayerNorm's output."""
         _check_tokens(tokens_BxL, self.config.max_len)
         L = tokens_BxL.shape[1]
         x = bias_add(self.token_embed(tokens_BxL),
                      self.position_embed.embedding[...][:L].astype(self.dtype))
         for layer in self.layers:
             x = layer(x)
-        logits_BxLxV = self.token_embed.attend(self.final_norm(x))
-        return logits_BxLxV if logits_dtype is None else logits_BxLxV.astype(logits_dtype)
+        return self.final_norm(x)
