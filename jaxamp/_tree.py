@@ -1,4 +1,5 @@
-"""Tree helpers shared by the modules of jaxamp (private: the public names are re-exported).
+"""Tree helpers and constants shared by the modules of jaxamp (private: the public names are
+re-exported).
 
 One definition of a "floating leaf" for the whole library, so that every count of leaves (the
 finite check, the norm, ``first_nonfinite_leaf`` and its path) agrees. ``None`` is never used
@@ -15,6 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
+
+# The half-precision dtypes a policy computes in (a master copy or compensation is kept for
+# params of these), and the largest int32: the saturating counters stop there.
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+INT32_MAX = 2**31 - 1
 
 
 def is_floating_array(x: Any) -> bool:

@@ -34,11 +34,11 @@ from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
+from jaxamp._tree import HALF_DTYPES
 from jaxamp._tree import floating_leaves
 
 __all__ = ["AuditReport", "MatmulSite", "OpSite", "audit", "audit_grad"]
 
-_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Ops that mixed-precision rules keep in fp32 (PyTorch autocast's fp32 list, in primitives).
 _SENSITIVE = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "reduce_sum", "cumsum",
               "cumlogsumexp", "rsqrt", "sqrt", "pow", "reduce_prod", "erf_inv")
@@ -173,7 +173,7 @@ def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
         name = eqn.primitive.name
         if name == "convert_element_type":
             src = eqn.invars[0].aval
-            if jnp.dtype(src.dtype) in _HALF:
+            if jnp.dtype(src.dtype) in HALF_DTYPES:
                 return None
             var = eqn.invars[0]
             continue
@@ -446,7 +446,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
                                       tuple(k.shape), flops, where(eqn), scope(eqn, outer), ""))
         elif name in _SENSITIVE:
             avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]
-            if avals and any(jnp.dtype(a.dtype) in _HALF for a in avals):
+            if avals and any(jnp.dtype(a.dtype) in HALF_DTYPES for a in avals):
                 a = avals[0]
                 sensitive[(name, _dtype_name(a), tuple(a.shape), where(eqn))] += mult
         elif name == "convert_element_type":

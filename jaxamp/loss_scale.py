@@ -29,7 +29,6 @@ from jaxamp._tree import map_floating
 
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
 
-_INT32_MAX = 2**31 - 1
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 

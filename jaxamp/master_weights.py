@@ -57,6 +57,8 @@ from jax.experimental.layout import with_layout_constraint
 from jax.typing import DTypeLike
 
 from jaxamp._loss import check_loss
+from jaxamp._tree import HALF_DTYPES
+from jaxamp._tree import INT32_MAX
 from jaxamp._tree import cast_like
 from jaxamp._tree import find_with_path
 from jaxamp._tree import is_floating_array
@@ -71,7 +73,6 @@ from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
-from jaxamp.rounding import HALF_DTYPES
 from jaxamp.rounding import kahan_join
 from jaxamp.rounding import kahan_split
 from jaxamp.rounding import nudge_ties
@@ -89,7 +90,6 @@ __all__ = [
     "working_params",
 ]
 
-_INT32_MAX = 2**31 - 1
 
 
 class MixedPrecisionState(NamedTuple):
@@ -175,7 +175,7 @@ class MixedPrecisionState(NamedTuple):
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
-    return (count + (when & (count < _INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
+    return (count + (when & (count < INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -613,11 +613,12 @@ def linear_softmax_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, 
     without the logits: a fused output projection and loss for a large vocabulary.
 
     The rows go through in chunks of at most 2**26 logits, as even as can be (BERT-Large's
-    32768 rows of a 30522-word vocabulary: 15 chunks of 2185). Each chunk's logits are computed in ``x``'s dtype with fp32
-    accumulation, its log-softmax in fp32, and its gradients right away, in the forward
-    pass: the gradient of the mean loss is ``softmax - onehot`` per row, scaled by the row's
-    weight, so nothing waits for the backward pass but the gradients themselves, scaled there
-    by the loss's cotangent. Saved for backward: the gradients of ``x`` (``x``'s shape and
+    32768 rows of a 30522-word vocabulary: 15 chunks of 2185). Each chunk's logits are
+    computed in ``x``'s dtype with fp32 accumulation, its log-softmax in fp32, and its
+    gradients right away, in the forward pass: the gradient of the mean loss is
+    ``softmax - onehot`` per row, scaled by the row's weight, so nothing waits for the
+    backward pass but the gradients themselves, scaled there by the loss's cotangent. Saved
+    for backward: the gradients of ``x`` (``x``'s shape and
     dtype), of ``w`` and of ``bias``; not the ``(rows, classes)`` logits and their gradient,
     which a plain head keeps (4 GB in BERT-Large's step at 64 x 512). The matmuls are the
     plain head's, none twice.

@@ -21,9 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from jaxamp._tree import HALF_DTYPES
+
 __all__ = ["kahan_join", "kahan_split", "stochastic_round"]
 
-HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _check_half(dtype: DTypeLike, what: str) -> jnp.dtype:

@@ -1,5 +1,6 @@
-"""Tests of overflow provenance: ``first_nonfinite_leaf`` in the fast path, ``grad_stats``,
-``nonfinite_leaf_path`` and the eager diagnosis ``jaxamp.explain_overflow``."""
+"""Tests of overflow provenance: ``first_nonfinite_leaf`` in the fast path and the eager
+diagnosis ``jaxamp.explain_overflow`` (``grad_stats`` and ``nonfinite_leaf_path``: in
+test_gradients.py)."""
 
 import inspect
 
@@ -162,88 +163,6 @@ def test_every_pmap_replica_names_the_same_leaf():
     assert {jaxamp.nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
     mp = jaxamp.find_state(rstate.opt_state)
     np.testing.assert_array_equal(np.asarray(mp.first_nonfinite_leaf), firsts)
-
-
-# --------------------------------------------------------------------------------------------
-# grad_stats and nonfinite_leaf_path
-# --------------------------------------------------------------------------------------------
-
-def test_grad_stats_of_a_finite_tree():
-    grads = {"a": jnp.array([30.0, 40.0]), "b": {"c": jnp.array([[0.0]]), "d": jnp.zeros(3)}}
-    stats = jaxamp.grad_stats(grads)
-    assert isinstance(stats, jaxamp.GradStats)
-    assert bool(stats.finite)
-    assert float(stats.norm) == 50.0
-    assert int(stats.nonfinite_leaves) == 0
-    assert int(stats.first_nonfinite_leaf) == -1
-    assert stats.norm.dtype == F32
-    assert stats.first_nonfinite_leaf.dtype == jnp.int32 == stats.nonfinite_leaves.dtype
-    # The norm is divided by the loss scale.
-    assert float(jaxamp.grad_stats(grads, scale=10.0).norm) == 5.0
-    assert float(jaxamp.grad_stats(grads, scale=jnp.float32(2.0**-2)).norm) == 200.0
-
-
-def test_grad_stats_counts_and_finds_the_first_nonfinite_leaf():
-    grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([jnp.nan]),
-             "c": jnp.array([1.0, -jnp.inf]), "d": jnp.ones(2)}
-    finite, norm, count, first = jaxamp.grad_stats(grads)
-    assert not bool(finite)
-    assert np.isnan(float(norm))
-    assert int(count) == 2
-    assert int(first) == 1
-    assert jaxamp.nonfinite_leaf_path(grads, first) == "b"
-    stats = jaxamp.grad_stats({"a": jnp.ones(2), "b": jnp.ones(1), "c": jnp.array([jnp.inf])})
-    assert (int(stats.nonfinite_leaves), int(stats.first_nonfinite_leaf)) == (1, 2)
-    assert float(stats.norm) == np.inf
-
-
-def test_grad_stats_skips_integer_leaves_in_the_index():
-    grads = {"a": jnp.arange(3), "b": jnp.ones(2), "c": jnp.array([jnp.nan], F16)}
-    stats = jaxamp.grad_stats(grads)
-    assert int(stats.first_nonfinite_leaf) == 1
-    assert jaxamp.nonfinite_leaf_path(grads, stats.first_nonfinite_leaf) == "c"
-    assert int(jaxamp.grad_stats({"n": jnp.arange(3)}).first_nonfinite_leaf) == -1
-
-
-def test_grad_stats_sums_half_precision_squares_in_fp32():
-    # 60000**2 overflows fp16, but the squares are accumulated in fp32.
-    grads = {"a": jnp.array([60000.0], F16), "b": jnp.array([3.0, 4.0], BF16)}
-    stats = jaxamp.grad_stats(grads, scale=2.0)
-    assert bool(stats.finite)
-    assert int(stats.first_nonfinite_leaf) == -1
-    np.testing.assert_allclose(float(stats.norm), np.sqrt(60000.0**2 + 25.0) / 2, rtol=1e-6)
-
-
-def test_grad_stats_treats_a_huge_norm_as_an_overflow():
-    stats = jaxamp.grad_stats({"a": jnp.ones(2), "b": jnp.array([2e19], F32)})
-    assert not bool(stats.finite)
-    assert (int(stats.nonfinite_leaves), int(stats.first_nonfinite_leaf)) == (1, 1)
-
-
-def test_grad_stats_of_an_empty_tree():
-    stats = jaxamp.grad_stats({})
-    assert bool(stats.finite)
-    assert (float(stats.norm), int(stats.nonfinite_leaves), int(stats.first_nonfinite_leaf)) == (
-        0.0, 0, -1)
-
-
-def test_nonfinite_leaf_path():
-    tree = {"dense": {"bias": jnp.zeros(2), "kernel": jnp.zeros((2, 2))},
-            "embed": [jnp.zeros(3), jnp.zeros(3, BF16)]}
-    assert [jaxamp.nonfinite_leaf_path(tree, i) for i in range(4)] == [
-        "dense/bias", "dense/kernel", "embed/0", "embed/1"]
-    assert jaxamp.nonfinite_leaf_path(tree, -1) is None
-    # Device arrays and replicated (stacked) indices are accepted.
-    assert jaxamp.nonfinite_leaf_path(tree, jnp.int32(1)) == "dense/kernel"
-    assert jaxamp.nonfinite_leaf_path(tree, np.array([2, 2, 2])) == "embed/0"
-
-
-@pytest.mark.parametrize("index", [4, 5, 100])
-def test_nonfinite_leaf_path_out_of_range_raises(index):
-    tree = {"dense": {"bias": jnp.zeros(2), "kernel": jnp.zeros((2, 2))},
-            "embed": [jnp.zeros(3), jnp.zeros(3)]}
-    with pytest.raises(ValueError, match="out of range"):
-        jaxamp.nonfinite_leaf_path(tree, index)
 
 
 # --------------------------------------------------------------------------------------------
