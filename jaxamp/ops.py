@@ -582,13 +582,23 @@ def _linear_xent_fwd(x, w, bias, labels, weights, chunk):
         if bias is not None:
             dbias = dbias + dlogits.sum(0)
         return (dw, dbias, loss), (dx.astype(x.dtype), jnp.argmax(logits, -1).astype(jnp.int32))
-    init = (jnp.zeros(w.shape, _F32), None if bias is None else jnp.zeros(bias.shape, _F32),
-            jnp.zeros((), _F32))
+    # Under shard_map the body's outputs vary over the manual axes its inputs vary over, and a
+    # scan's carry must match.
+    init = _with_axes_of((jnp.zeros(w.shape, _F32),
+                          None if bias is None else jnp.zeros(bias.shape, _F32),
+                          jnp.zeros((), _F32)), x, w, labels, weights)
     (dw, dbias, loss), (dx, predicted) = jax.lax.scan(
         one, init, (chunks(x), chunks(labels.astype(jnp.int32)), chunks(weights)))
     dx, predicted = dx.reshape(-1, x.shape[1])[:rows], predicted.reshape(-1)[:rows]
     return (loss / total, predicted), (dx, dw.astype(w.dtype),
                                        None if bias is None else dbias.astype(bias.dtype))
+
+
+def _with_axes_of(values, *sources):
+    """``values`` plus a zero computed from ``sources``: under ``shard_map`` they then vary
+    over every manual axis the sources vary over (elsewhere XLA folds the zero away)."""
+    zero = jnp.where(False, sum(_f32(a.reshape(-1)[:1]).sum() for a in sources), 0.0)
+    return jax.tree.map(lambda v: v + zero.astype(v.dtype), values)
 
 
 def _linear_xent_bwd(chunk, res, cts):
@@ -651,6 +661,8 @@ def linear_softmax_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, 
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear_softmax_cross_entropy: x must be (rows, features) and w "
                          f"(classes, features); got {x.shape} and {w.shape}")
+    if x.shape[0] < 1:
+        raise ValueError("linear_softmax_cross_entropy: x has no rows")
     if labels.shape != x.shape[:1]:
         raise ValueError(f"linear_softmax_cross_entropy: labels must be ({x.shape[0]},), one "
                          f"class per row; got {labels.shape}")
@@ -664,8 +676,11 @@ def linear_softmax_cross_entropy(x: ArrayLike, w: ArrayLike, labels: ArrayLike, 
     chunk = _chunk_rows(x.shape[0], w.shape[0]) if chunk_rows is None else int(chunk_rows)
     if chunk < 1:
         raise ValueError(f"linear_softmax_cross_entropy: chunk_rows must be >= 1, got {chunk}")
-    return _linear_xent(x, w, None if bias is None else jnp.asarray(bias), labels, weights,
-                        chunk)
+    bias = None if bias is None else jnp.asarray(bias)
+    # The params vary with the rows inside shard_map, as a plain head's matmul makes them
+    # (their gradient is then summed over the rows' axis, as autodiff sums it there).
+    w, bias = _with_axes_of((w, bias), x, labels, weights)
+    return _linear_xent(x, w, bias, labels, weights, chunk)
 
 
 @jax.custom_vjp

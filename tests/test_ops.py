@@ -424,3 +424,24 @@ def test_linear_softmax_cross_entropy_refuses_bad_shapes():
         ops.linear_softmax_cross_entropy(x, w, labels, weights=weights[:3])
     with pytest.raises(ValueError, match="chunk_rows"):
         ops.linear_softmax_cross_entropy(x, w, labels, chunk_rows=0)
+
+
+def test_linear_softmax_cross_entropy_inside_shard_map():
+    """Each device's rows inside ``jax.shard_map`` (the data-parallel step's layout): the
+    chunk loop's carry takes the rows' manual axis, and the reduced gradients are those of
+    the whole batch."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    x, w, b, labels, _ = _head(jnp.float32, rows=64)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+
+    def per_device(x, w, b, labels):
+        loss, _ = ops.linear_softmax_cross_entropy(x, w, labels, bias=b, chunk_rows=3)
+        return jax.lax.pmean(loss, "batch")
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P("batch"), P(), P(), P("batch")),
+                            out_specs=P())
+    got = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(x, w, b, labels)
+    want = jax.value_and_grad(lambda x, w, b: ops.linear_softmax_cross_entropy(
+        x, w, labels, bias=b)[0], argnums=(0, 1, 2))(x, w, b)
+    for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-7)
