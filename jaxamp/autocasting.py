@@ -96,6 +96,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import source_info_util
 
 from jaxamp import fp8
+from jaxamp import ops
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
@@ -143,9 +144,12 @@ _VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "s
 def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     """The ``jax.checkpoint`` policy of ``recompute=True``: the outputs of ``_SAVED`` ops and
     the matmuls' operands (named ``_OPERAND``), which their transposes read. An FP8 matmul
-    keeps its 8-bit operands and its output (named), not its fp32 accumulator."""
+    keeps its 8-bit operands and its output (named), not its fp32 accumulator;
+    ``jaxamp.ops.linear_softmax_cross_entropy`` its gradients (named ``ops.SAVED_NAME``), not
+    its chunk loop to run again."""
     if prim.name == "name":
-        return params.get("name") in (_OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME)
+        return params.get("name") in (_OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME,
+                                      ops.SAVED_NAME)
     if prim.name == "dot_general" and any(
             jnp.dtype(getattr(a, "dtype", jnp.float32)).itemsize == 1 for a in avals):
         return False

@@ -52,6 +52,7 @@ from typing import cast
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 __all__ = [
@@ -532,6 +533,11 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike) -> jax.Array:
     return _softmax_cross_entropy(jnp.asarray(logits), jnp.asarray(labels))
 
 
+# The name of residuals that a recompute policy should keep (``jax.checkpoint_policies.
+# save_only_these_names``; autocast's policy keeps them): the fused head's gradients, which
+# three matmuls per chunk computed.
+SAVED_NAME = "jaxamp_saved_residual"
+
 # At most this many logits (rows x classes) of one chunk at a time: 256 MB in fp32.
 _CHUNK_LOGITS = 2**26
 
@@ -590,8 +596,8 @@ def _linear_xent_fwd(x, w, bias, labels, weights, chunk):
     (dw, dbias, loss), (dx, predicted) = jax.lax.scan(
         one, init, (chunks(x), chunks(labels.astype(jnp.int32)), chunks(weights)))
     dx, predicted = dx.reshape(-1, x.shape[1])[:rows], predicted.reshape(-1)[:rows]
-    return (loss / total, predicted), (dx, dw.astype(w.dtype),
-                                       None if bias is None else dbias.astype(bias.dtype))
+    grads = (dx, dw.astype(w.dtype), None if bias is None else dbias.astype(bias.dtype))
+    return (loss / total, predicted), checkpoint_name(grads, SAVED_NAME)
 
 
 def _with_axes_of(values, *sources):

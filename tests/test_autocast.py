@@ -664,6 +664,22 @@ def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
     assert jax.nn.dot_product_attention is original
 
 
+def test_recompute_keeps_the_fused_heads_gradients():
+    """``jaxamp.ops.linear_softmax_cross_entropy`` under autocast: its chunk loop runs once,
+    in the forward pass (its gradients are kept, not recomputed by a second loop)."""
+    import re
+
+    from jaxamp import ops
+    labels = jnp.arange(256) % 100
+
+    def loss(x, w):
+        return ops.linear_softmax_cross_entropy(jnp.tanh(x), w, labels, chunk_rows=64)[0]
+    x, w = jnp.ones((256, 32)), jnp.ones((100, 32))
+    for f in (loss, jaxamp.autocast(loss)):
+        text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).compile().as_text()
+        assert len(re.findall(r" while\(", text)) == 1
+
+
 def test_recompute_saves_an_operand_a_long_chain_away_from_the_saved_values():
     """An elementwise chain longer than 16 ops is not run again in the backward pass: its end,
     a matmul's operand, is saved."""
