@@ -262,7 +262,9 @@ def test_memory_goal(model, precision, goal):
             for p in (precision, "fp32_default")}
     ratio = rows[precision]["mem_gb"] / rows["fp32_default"]["mem_gb"]
     assert ratio <= goal, (ratio, rows)
-    # What is left in fp32 (the loss head's statistics, cuDNN's softmax statistics) is small;
-    # one fp32 activation per layer, the regression fixed here, is a quarter of them or more.
+    # What is left in fp32 is small: the loss head's chunks, cuDNN's softmax statistics, and
+    # with the fused head one buffer of f32[64,512,4096]'s size (0.54 GB: 8% of BERT-Large's
+    # temporaries at 8 layers, 3% at 24). One fp32 activation per layer, the regression fixed
+    # here, is a quarter of them or more.
     fp32_left = rows[precision]["temp_by_dtype_gb"].get("float32", 0)
-    assert fp32_left < 0.03 * rows[precision]["temp_gb"], rows[precision]["temp_largest"]
+    assert fp32_left < 0.10 * rows[precision]["temp_gb"], rows[precision]["temp_largest"]
