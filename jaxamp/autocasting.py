@@ -81,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import re
 import warnings
@@ -703,6 +704,9 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
 # --------------------------------------------------------------------------------------------
 
 _ATTENTION = "jaxamp_dot_product_attention"
+# Numbers the marked calls across traces: an autocast inside another's trace never takes the
+# outer one's marks for its own.
+_ATTENTION_CALLS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -720,7 +724,7 @@ def _marking_attention(calls: dict):
         # the call as asked, untouched.
         if any(v is not None and v is not False for v in kwargs.values()):
             return original(query, key, value, bias, mask, **options, **kwargs)
-        name = f"{_ATTENTION}_{len(calls)}"
+        name = f"{_ATTENTION}_{next(_ATTENTION_CALLS)}"
         calls[name] = dict(options, bias=bias is not None, mask=mask is not None)
 
         def call(q, k, v, b, m):
