@@ -603,7 +603,8 @@ def _linear_xent_fwd(x, w, bias, labels, weights, chunk):
 def _with_axes_of(values, *sources):
     """``values`` plus a zero computed from ``sources``: under ``shard_map`` they then vary
     over every manual axis the sources vary over (elsewhere XLA folds the zero away)."""
-    zero = jnp.where(False, sum(_f32(a.reshape(-1)[:1]).sum() for a in sources), 0.0)
+    zero = jax.lax.stop_gradient(
+        jnp.where(False, sum(_f32(a.reshape(-1)[:1]).sum() for a in sources), 0.0))
     return jax.tree.map(lambda v: v + zero.astype(v.dtype), values)
 
 

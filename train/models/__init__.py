@@ -116,6 +116,10 @@ def build(name: str, policy: Any = "float32", *, num_classes: int | None = None,
     To build without allocating (for shapes and param counts), wrap it:
     ``nnx.eval_shape(lambda: build("bert_large"))``.
     """
+    if jaxamp.get_policy(policy).fp8 and MODELS.get(name, ("",))[0] in ("bert", "gpt"):
+        # Under an FP8 policy autocast runs every matmul in FP8, the head's too: the fused
+        # head's matmuls (inside a custom_vjp) would stay bf16.
+        overrides.setdefault("fused_loss", False)
     config = config_of(name, num_classes=num_classes, vocab=vocab, **overrides)
     dtype = jaxamp.get_policy(policy).compute_dtype
     rngs = nnx.Rngs(seed)

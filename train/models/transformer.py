@@ -71,7 +71,8 @@ class TransformerConfig:
       fused_loss: the losses' output projection and cross-entropy in one chunked op
         (``jaxamp.ops.linear_softmax_cross_entropy``), which never holds the ``(batch, length,
         vocab)`` logits or their gradient; ``False``: the logits, then the cross-entropy. FP8
-        models keep the logits (their projection is an FP8 matmul).
+        models keep the logits (their projection is an FP8 matmul): an FP8 recipe's layers, and
+        ``train.models.build`` under an FP8 policy, where autocast makes every matmul FP8.
     """
 
     vocab: int = 256
