@@ -117,7 +117,8 @@ def test_the_reference_transformers_lower_attention_to_cudnn(name, mask):
     batch = {"tokens": jax.ShapeDtypeStruct((4, 128), jnp.int32),
              "targets": jax.ShapeDtypeStruct((4, 128), jnp.int32)}
     hlo = {}
-    for policy in ("mixed_bfloat16", "float32"):
+    # fp32 (the explicit path) once, on BERT: the choice is the same code for both models.
+    for policy in ("mixed_bfloat16", "float32")[:2 if name.startswith("bert") else 1]:
         # heads of 64, as BERT-Large's and GPT-2's
         model = nnx_eval_shape(lambda p=policy: models.build(name, p, attention="cudnn",
                                                                width=128, heads=2))
@@ -132,7 +133,7 @@ def test_the_reference_transformers_lower_attention_to_cudnn(name, mask):
     assert fused.count('custom_call_target="__cudnn$fmhaSoftmax"') == 2  # one per layer
     assert fused.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 2
     assert f'"mask_type": "{mask}"' in fused
-    assert "__cudnn$fmha" not in hlo["float32"]
+    assert "__cudnn$fmha" not in hlo.get("float32", "")
 
 
 def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
@@ -142,12 +143,12 @@ def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
     again), in less memory than the XLA attention's; on this CPU the same step runs the XLA
     implementation under the rules, equal to the step that asks for it."""
     from train.models import nnx_gpt
-    depth, heads, width = 2, 2, 128  # heads of 64
-    loss_fn, params = nnx_gpt.loss_and_params(vocab=256, width=width, depth=depth, heads=heads,
-                                              max_len=256)
+    depth, heads, width = 1, 1, 64  # a head of 64
+    loss_fn, params = nnx_gpt.loss_and_params(vocab=128, width=width, depth=depth, heads=heads,
+                                              max_len=128)
     tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
     state = jaxamp.TrainState.create(params=params, tx=tx)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 257)), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 129)), jnp.int32)
     batch = {"tokens": tokens}
     step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
     report = jaxamp.gpu_memory(step, _abstract(state), _abstract(batch), target="h200")
