@@ -712,20 +712,26 @@ def kernel_fingerprint(compiled) -> dict[str, Any]:
     """``hlo_sha``: a hash of the optimized HLO, which on a GPU holds the autotuner's choice for
     every matmul and convolution (the custom calls' and Triton fusions' configs, counted in
     ``kernels``): two compiles of one program, concurrent or one at a time, picked the same
-    kernels when their hashes agree."""
+    kernels when their hashes agree. Also what the program runs: its ``fusions`` (XLA's own
+    kernels) and its cuDNN fused-attention calls, forward and backward (``cudnn_attention``)."""
     try:
         text = compiled.as_text()
     except Exception:
-        return {"kernels": None, "hlo_sha": None}
+        return {"kernels": None, "hlo_sha": None, "fusions": None, "cudnn_attention": None}
     # The instructions alone, without their source metadata (an executable loaded from JAX's
     # persistent cache carries the source locations of the process that compiled it).
     program = [_METADATA.sub("", line.strip()) for line in text.splitlines() if " = " in line]
     kernels = sum("custom_call_target=" in line or '"__triton' in line for line in program)
     return {"kernels": kernels,
-            "hlo_sha": hashlib.sha256("\n".join(program).encode()).hexdigest()[:16]}
+            "hlo_sha": hashlib.sha256("\n".join(program).encode()).hexdigest()[:16],
+            "fusions": sum(bool(_FUSION.match(line)) for line in program),
+            "cudnn_attention": sum('custom_call_target="__cudnn$fmha' in line
+                                   for line in program)}
 
 
 _METADATA = re.compile(r",? metadata=\{[^{}]*\}")
+# An instruction whose opcode is fusion (its shape may be a tuple, with spaces).
+_FUSION = re.compile(r"(?:ROOT )?%\S+ = [^=]*? fusion\(")
 
 
 def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:

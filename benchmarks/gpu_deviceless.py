@@ -25,7 +25,6 @@ import dataclasses
 import datetime
 import gc
 import os
-import re
 import time
 from typing import Any
 
@@ -93,20 +92,7 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
             "argument_by_dtype_gb": {k: v / GB for k, v in report.argument_by_dtype.items()},
             "temp_by_dtype_gb": {k: v / GB for k, v in report.temp_by_dtype.items()},
             "temp_largest": [[label, n, b / GB] for label, n, b in report.temp_by_shape[:8]],
-            "flops": flops, **program_counts(compiled), **gpu.kernel_fingerprint(compiled)}
-
-
-def program_counts(compiled) -> dict[str, Any]:
-    """What the optimized program runs: its fusions (XLA:GPU's own kernels) and its cuDNN
-    fused-attention calls (forward and backward). A deviceless executable has no cost analysis
-    (``cost_analysis()`` is None), so the bytes it moves are not reported here."""
-    text = compiled.as_text()
-    return {"fusions": len(_FUSION.findall(text)),
-            "cudnn_attention": text.count('custom_call_target="__cudnn$fmha')}
-
-
-# An instruction whose opcode is fusion (its shape may be a tuple, with spaces).
-_FUSION = re.compile(r"^\s*(?:ROOT )?%\S+ = [^=]*? fusion\(", re.MULTILINE)
+            "flops": flops, **gpu.kernel_fingerprint(compiled)}
 
 
 def run(args) -> list[dict]:

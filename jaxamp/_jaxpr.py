@@ -159,10 +159,11 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
     elif name == "shard_map":
         mesh = params.get("mesh")
         mult = float(getattr(mesh, "size", 1) or 1)
-    if name == "cond" and _platform_branch(eqn) is not None:
-        yield _platform_branch(eqn), 1.0
-        return
     if name == "cond":
+        chosen = _platform_branch(eqn)
+        if chosen is not None:
+            yield chosen, 1.0
+            return
         # Count each branch once; a report shows the upper bound over branches.
         for branch in params.get("branches", ()):
             yield getattr(branch, "jaxpr", branch), 1.0

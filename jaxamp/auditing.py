@@ -407,6 +407,22 @@ class AuditReport:
         return "".join(parts)
 
 
+def _matmul_flops(eqn: Any) -> float | None:
+    """The FLOPs of a matmul-like equation: a ``dot_general``, a convolution, or cuDNN's fused
+    attention (its first two operands are q and k, its first output the attention's or q's
+    gradient). None for any other equation."""
+    name = eqn.primitive.name
+    if name not in ("dot_general", "conv_general_dilated") and name not in FUSED_ATTENTION:
+        return None
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    if name == "dot_general":
+        return dot_general_flops(lhs, rhs, eqn.params["dimension_numbers"])
+    if name == "conv_general_dilated":
+        return conv_flops(lhs, rhs, eqn.outvars[0].aval.shape, eqn.params)
+    return FUSED_ATTENTION[name] * fused_attention_flops(
+        lhs, rhs, eqn.invars[2].aval.shape, int(eqn.params.get("layout", 0)))
+
+
 def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
     by_operands: dict[str, float] = defaultdict(float)
     by_output: dict[str, float] = defaultdict(float)
@@ -415,14 +431,11 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
     casts: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
     for eqn, mult, producers, outer in walk_levels(jaxpr):
         name = eqn.primitive.name
-        if name in ("dot_general", "conv_general_dilated"):
+        flops = _matmul_flops(eqn)
+        if flops is not None:
+            flops *= mult
             lhs, rhs = (v.aval for v in eqn.invars[:2])
             out = eqn.outvars[0].aval
-            if name == "dot_general":
-                flops = dot_general_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
-            else:
-                flops = conv_flops(lhs.shape, rhs.shape, out.shape, eqn.params)
-            flops *= mult
             lhs_t, rhs_t = _dtype_name(lhs), _dtype_name(rhs)
             key = lhs_t if lhs_t == rhs_t else " x ".join(sorted((lhs_t, rhs_t)))
             by_operands[key] += flops
@@ -435,15 +448,6 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),
                                       tuple(rhs.shape), flops, where(eqn), scope(eqn, outer),
                                       sources))
-        elif name in FUSED_ATTENTION:
-            q, k, v = (x.aval for x in eqn.invars[:3])
-            flops = mult * FUSED_ATTENTION[name] * fused_attention_flops(
-                q.shape, k.shape, v.shape, int(eqn.params.get("layout", 0)))
-            dtype = _dtype_name(q)
-            by_operands[dtype] += flops
-            by_output[dtype] += flops
-            matmuls.append(MatmulSite(name, dtype, _dtype_name(k), dtype, tuple(q.shape),
-                                      tuple(k.shape), flops, where(eqn), scope(eqn, outer), ""))
         elif name in _SENSITIVE:
             avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]
             if avals and any(jnp.dtype(a.dtype) in HALF_DTYPES for a in avals):

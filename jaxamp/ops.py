@@ -546,8 +546,8 @@ def _chunk_rows(rows: int, classes: int) -> int:
     """Rows per chunk: at most ``_CHUNK_LOGITS`` logits, the chunks as even as can be (the last
     one is padded, and padding is work)."""
     limit = max(1, _CHUNK_LOGITS // max(classes, 1))
-    n = -(-rows // limit)
-    return max(1, -(-rows // max(n, 1)))
+    n = -(-rows // limit)  # rows >= 1: n >= 1
+    return -(-rows // n)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -609,14 +609,12 @@ def _with_axes_of(values, *sources):
 
 
 def _linear_xent_bwd(chunk, res, cts):
-    dx, dw, dbias = res
+    """The forward pass's gradients (of x, w and the bias, or None), scaled by the loss's
+    cotangent; the labels and weights get none."""
+    del chunk
     g = _f32(cts[0])
-    scale = functools.partial(_scaled, g)
-    return (scale(dx), scale(dw), None if dbias is None else scale(dbias), None, None)
-
-
-def _scaled(g, d):
-    return (g * _f32(d)).astype(d.dtype)
+    dx, dw, dbias = jax.tree.map(lambda d: (g * _f32(d)).astype(d.dtype), res)
+    return dx, dw, dbias, None, None
 
 
 _linear_xent.defvjp(_linear_xent_fwd, _linear_xent_bwd)

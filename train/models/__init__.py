@@ -33,6 +33,7 @@ import jaxamp
 from jaxamp.ops import softmax_cross_entropy
 from train.models import nnx_gpt
 from train.models.layers import F32
+from train.models.layers import weighted_mean
 from train.models.resnet import CONFIGS as RESNET_CONFIGS
 from train.models.resnet import ResNet
 from train.models.resnet import ResNetConfig
@@ -180,14 +181,6 @@ def param_count(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-def _weighted_mean(values: jax.Array, weights: jax.Array | None) -> jax.Array:
-    values = values.astype(F32)
-    if weights is None:
-        return values.mean()
-    weights = weights.astype(F32)
-    return (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
-
-
 def classification_loss(graphdef: nnx.GraphDef, *, train: bool = True) -> Callable:
     """``loss_fn(params, batch, model_state=...) -> (loss, new_model_state, aux)``.
 
@@ -232,7 +225,7 @@ def mlm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callab
     def loss_of_model(model, batch):
         targets, mask = batch["targets"], batch.get("mask")
         loss, predicted = model.loss(batch["tokens"], targets, mask, batch.get("segments"))
-        return loss, {"accuracy": _weighted_mean(predicted == targets, mask)}
+        return loss, {"accuracy": weighted_mean(predicted == targets, mask)}
     return _with_model_state(loss_of_model, graphdef, has_model_state)
 
 
@@ -254,8 +247,8 @@ def lm_loss(graphdef: nnx.GraphDef, *, has_model_state: bool = False) -> Callabl
         if isinstance(model, nnx_gpt.GPT):   # the user's model, with the user's loss
             logits = model(tokens).astype(jnp.float32)
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-            return (_weighted_mean(losses, mask),
-                    {"accuracy": _weighted_mean(logits.argmax(-1) == targets, mask)})
+            return (weighted_mean(losses, mask),
+                    {"accuracy": weighted_mean(logits.argmax(-1) == targets, mask)})
         loss, predicted = model.loss(tokens, targets, mask)
-        return loss, {"accuracy": _weighted_mean(predicted == targets, mask)}
+        return loss, {"accuracy": weighted_mean(predicted == targets, mask)}
     return _with_model_state(loss_of_model, graphdef, has_model_state)

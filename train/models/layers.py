@@ -20,6 +20,16 @@ from jaxamp import ops
 F32 = jnp.float32
 
 
+def weighted_mean(values: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """The mean of ``values`` in fp32, weighted by ``weights`` (a mask) where given:
+    ``sum(weights * values) / max(sum(weights), 1)``, as ``jaxamp.ops``' fused head computes it."""
+    values = values.astype(F32)
+    if weights is None:
+        return values.mean()
+    weights = weights.astype(F32)
+    return (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
 class BatchNorm(nnx.Module):
     """Batch norm over the channels (last) axis with fp32 params and running statistics.
 

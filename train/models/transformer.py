@@ -40,6 +40,7 @@ from train.models.layers import F32
 from train.models.layers import Dense
 from train.models.layers import Embed
 from train.models.layers import LayerNorm
+from train.models.layers import weighted_mean
 
 ATTENTION = ("auto", "explicit", "cudnn")
 # What ``attention="cudnn"`` asks of ``jax.nn.dot_product_attention`` (the tests check the
@@ -218,12 +219,7 @@ def _head_loss(model: BertMLM | GPT, h_BxLxD: jax.Array, targets_BxL: jax.Array,
     logits_BxLxV = embed.attend(h_BxLxD)
     if bias_V is not None:
         logits_BxLxV = bias_add(logits_BxLxV, bias_V)
-    losses = softmax_cross_entropy(logits_BxLxV, targets_BxL).astype(F32)
-    if mask_BxL is None:
-        loss = losses.mean()
-    else:
-        weights = mask_BxL.astype(F32)
-        loss = (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+    loss = weighted_mean(softmax_cross_entropy(logits_BxLxV, targets_BxL), mask_BxL)
     return loss, logits_BxLxV.argmax(-1)
 
 
