@@ -97,8 +97,9 @@ def jaxamp_variant(task: EncoderTask, policy: str, *, accum_steps: int = 1,
     """``make_train_step`` on ``mixed_precision(adamw, policy)`` with a ``DynamicLossScale``
     (and ``tx_options``: ``master=``, ``moments_dtype=``)."""
     amp_tx = jaxamp.mixed_precision(task.tx, policy, loss_scale=jaxamp.DynamicLossScale(),
-                                    pin_grad_layout=pin_grad_layout, **tx_options)
-    amp_step = jaxamp.make_train_step(task.loss, accum_steps=accum_steps)
+                                    **tx_options)
+    amp_step = jaxamp.make_train_step(task.loss, accum_steps=accum_steps,
+                                      pin_grad_layout=pin_grad_layout)
 
     def step(state, batch):
         state, metrics = amp_step(state, batch)

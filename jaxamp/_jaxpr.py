@@ -19,8 +19,13 @@ import jax
 import jaxlib
 from jax.extend.core import Literal
 
-__all__ = ["Literal", "environment", "evaluate", "is_backward", "nested_stack", "scan_layout",
-           "scope", "walk", "walk_levels", "where", "while_layout"]
+__all__ = ["MATMULS", "Literal", "environment", "evaluate", "is_backward", "nested_stack",
+           "scan_layout", "scope", "walk", "walk_levels", "where", "while_layout"]
+
+MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
+"""The primitives that multiply matrices (``ragged_dot`` is JAX's name before
+``ragged_dot_general``): the ops autocast runs in the compute dtype, the audit counts and the
+train step's fp32-matmul warning looks for."""
 
 # Frames in these folders are not the user's: JAX itself and Python's standard library.
 _JAX_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (jax, jaxlib))

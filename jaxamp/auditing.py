@@ -4,8 +4,8 @@
 cond, custom_jvp, custom_vjp, remat, shard_map, pmap). ``audit_grad`` does the same for the
 gradient. The report holds:
 
-* matmul and convolution FLOPs (``dot_general``, ``conv_general_dilated``) by operand dtypes and
-  by output dtype, as totals and shares;
+* matmul and convolution FLOPs (``dot_general``, ``conv_general_dilated``, ``ragged_dot``,
+  cuDNN's fused attention) by operand dtypes and by output dtype, as totals and shares;
 * every matmul/conv with an fp32 operand, with its source line, shape and FLOPs, largest first;
 * the precision-sensitive ops (exp, log, sums, norms statistics) that run in half precision;
 * the activation bytes saved for the backward pass, by dtype (arguments excluded);
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import print_saved_residuals
 
+from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import walk_levels
@@ -102,6 +103,19 @@ def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
 # primitives, and how many times the two matmuls of the forward pass each runs: twice in the
 # backward pass (the gradients of both operands of each), as the explicit attention's
 # ``dot_general``s do. The flash kernel's recomputation of the scores is not counted.
+def ragged_dot_flops(lhs_shape, rhs_shape, params) -> float:
+    """2 × lhs elements × rhs-free, for ``lax.ragged_dot`` in every ragged mode: each lhs
+    element meets exactly one group's rhs, and each of that rhs's free (not contracting, batch
+    or group) entries once."""
+    numbers = params.get("ragged_dot_dimension_numbers")
+    if numbers is None:  # ragged_dot: lhs (m, k), rhs (groups, k, n)
+        return 2.0 * math.prod(lhs_shape) * rhs_shape[-1]
+    (_, rc), (_, rb) = numbers.dot_dimension_numbers
+    bound = {*rc, *rb, *numbers.rhs_group_dimensions}
+    free = math.prod(n for d, n in enumerate(rhs_shape) if d not in bound)
+    return 2.0 * math.prod(lhs_shape) * free
+
+
 FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": 1, "dot_product_attention_fwd": 1,
                    "dot_product_attention_bwd_wrapper": 2, "dot_product_attention_bwd": 2}
 
@@ -412,13 +426,15 @@ def _matmul_flops(eqn: Any) -> float | None:
     attention (its first two operands are q and k, its first output the attention's or q's
     gradient). None for any other equation."""
     name = eqn.primitive.name
-    if name not in ("dot_general", "conv_general_dilated") and name not in FUSED_ATTENTION:
+    if name not in MATMULS and name not in FUSED_ATTENTION:
         return None
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     if name == "dot_general":
         return dot_general_flops(lhs, rhs, eqn.params["dimension_numbers"])
     if name == "conv_general_dilated":
         return conv_flops(lhs, rhs, eqn.outvars[0].aval.shape, eqn.params)
+    if name in ("ragged_dot", "ragged_dot_general"):
+        return ragged_dot_flops(lhs, rhs, eqn.params)
     return FUSED_ATTENTION[name] * fused_attention_flops(
         lhs, rhs, eqn.invars[2].aval.shape, int(eqn.params.get("layout", 0)))
 

@@ -98,6 +98,7 @@ from jax.extend import source_info_util
 
 from jaxamp import fp8
 from jaxamp import ops
+from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
@@ -109,7 +110,6 @@ from jaxamp.policy import get_policy
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
 
-_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 _FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "pow",
             "rsqrt", "sqrt", "cbrt", "tan", "lgamma", "digamma", "cumsum", "cumprod",
             "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min")
@@ -119,7 +119,7 @@ _ORIGINAL = ("custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "xla_pmap"
              "custom_lin")
 
 DEFAULT_RULES: Mapping[str, str] = {
-    **{name: "compute" for name in _MATMULS},
+    **{name: "compute" for name in MATMULS},
     **{name: "float32" for name in _FLOAT32},
     **{name: "original" for name in _ORIGINAL},
 }
@@ -128,7 +128,7 @@ DEFAULT_RULES: Mapping[str, str] = {
 # Outputs kept for the backward pass under ``recompute=True``: the matmuls', and those of the
 # few other ops that are costly to run twice (collectives, sorts, FFTs, linear algebra,
 # pooling windows). Everything else between them is recomputed from these.
-_SAVED = frozenset((*_MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fwd",
+_SAVED = frozenset((*MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fwd",
                     "dot_product_attention_fwd_wrapper", "psum", "psum_invariant", "pmax",
                     "pmin", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
                     "reduce_scatter", "psum_scatter", "sort", "top_k", "fft", "cholesky", "lu",
@@ -427,7 +427,7 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
         if (ctx.cheap is not None and eqn.primitive.name in _VIEWS and invals
                 and id(invals[0]) in ctx.cheap):
             ctx.cheap[id(outs[0])] = outs[0]
-        if ctx.near is not None and eqn.primitive.name not in _MATMULS:
+        if ctx.near is not None and eqn.primitive.name not in MATMULS:
             _mark_near(ctx, eqn, invals, outs, outer,
                        [isinstance(v, Literal) or v in constant for v in eqn.invars])
     for v, x in zip(eqn.outvars, outs, strict=True):
@@ -533,7 +533,7 @@ def _feeds_only_matmuls(level: _Level, i: int) -> bool:
     if eqn.primitive.name != "convert_element_type":
         return False
     users = [level.eqns[j] for v in eqn.outvars for j in level.consumers.get(v, ())]
-    return bool(users) and all(u.primitive.name in _MATMULS for u in users) and not any(
+    return bool(users) and all(u.primitive.name in MATMULS for u in users) and not any(
         v in level.outvars for v in eqn.outvars)
 
 
@@ -547,7 +547,7 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
         stack = nested_stack(eqn, outer)
         return all(_pure_elementwise_like(ctx, e, stack)
                    for e in getattr(body, "jaxpr", body).eqns)
-    if any(_jaxprs_in_params(eqn.params)) or eqn.primitive.name in _MATMULS:
+    if any(_jaxprs_in_params(eqn.params)) or eqn.primitive.name in MATMULS:
         return False
     dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
     if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
@@ -892,12 +892,12 @@ def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
         elif rule == "promote" and params["preferred_element_type"] is not None:
             float_in = [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
             params["preferred_element_type"] = functools.reduce(_wider, float_in)
-    if ctx.cheap is not None and eqn.primitive.name in _MATMULS:
+    if ctx.cheap is not None and eqn.primitive.name in MATMULS:
         invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x) and id(x) not in ctx.cheap
                   and id(x) not in (ctx.near or {}) else x for x in invals]
     out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
     outs = out if eqn.primitive.multiple_results else [out]
-    if eqn.primitive.name in _MATMULS:
+    if eqn.primitive.name in MATMULS:
         _set_near(ctx, outs, 0)  # saved (``_SAVED``)
     return outs
 

@@ -39,17 +39,26 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax import struct
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
+
+from jaxamp._tree import State
+from jaxamp._tree import static_field
+
+if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
+    from jaxamp._fp8_nnx import DotGeneral
+    from jaxamp._fp8_nnx import Einsum
+    from jaxamp._fp8_nnx import EinsumOp
+    from jaxamp._fp8_nnx import Fp8Meta
+    from jaxamp._fp8_nnx import Linear
 
 __all__ = ["AMAX_ALGOS", "FORMATS", "CurrentScaling", "DelayedScaling", "DotGeneral",
            "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear", "amax", "compute_scale",
@@ -356,8 +365,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
 # Delayed scaling
 # --------------------------------------------------------------------------------------------
 
-@struct.dataclass
-class Fp8State:
+class Fp8State(State):
     """The FP8 metadata of one delayed-scaling matmul.
 
     Rows 0, 1 and 2 are the lhs (the input), the rhs (the kernel) and the incoming gradient.
@@ -381,7 +389,7 @@ class Fp8State:
     scale: jax.Array
     """``(..., 3)`` fp32: the scales the next step quantizes the lhs, the rhs and the gradient
     with (a row whose history is still empty uses its tensor's own ``amax`` instead)."""
-    recipe: DelayedScaling = struct.field(pytree_node=False, default=DelayedScaling())
+    recipe: DelayedScaling = static_field(default=DelayedScaling())
     """The :class:`DelayedScaling` recipe (static: part of the treedef, not a leaf)."""
 
     @classmethod
@@ -538,105 +546,17 @@ def seen_amax(cotangent: Fp8State, loss_scale: ArrayLike) -> jax.Array:
     return cotangent.scale.at[..., 2].divide(s)
 
 
-# --------------------------------------------------------------------------------------------
-# Flax NNX layers
-# --------------------------------------------------------------------------------------------
-
-class Fp8Meta(nnx.Variable):
-    """The NNX variable kind of FP8 metadata: each holds an :class:`Fp8State`. Split it from
-    the params with ``nnx.split(model, nnx.Param, Fp8Meta, ...)`` and keep it in the model
-    state of :func:`jaxamp.make_train_step` (``has_model_state=True``): the step updates it.
-    """
+# The NNX layers load flax.nnx, which ``import jaxamp`` and ``autocast`` do not need: they live
+# in a module of their own, imported on the first access to one of them.
+_NNX_LAYERS = ("DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Linear")
 
 
-class DotGeneral(nnx.Module):
-    """A ``dot_general`` with delayed FP8 scaling and its own :class:`Fp8Meta`, for any NNX
-    layer that takes one: ``nnx.Linear(..., dot_general=DotGeneral())``,
-    ``nnx.MultiHeadAttention(..., qkv_dot_general=...)`` (one instance per matmul).
-
-    Each instance must run once per forward pass (a second call would add its ``amax`` to the
-    first's); under ``nnx.scan``/``nnx.vmap`` over layers each layer has its own slice.
-
-    >>> from flax import nnx
-    >>> layer = nnx.Linear(4, 2, dot_general=DotGeneral(DelayedScaling(history_length=8)),
-    ...                    rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((3, 4))).shape
-    (3, 2)
-    >>> [s.amax_history.shape for s in find_fp8_states(nnx.state(layer, Fp8Meta))]
-    [(3, 8)]
-    """
-
-    def __init__(self, recipe: DelayedScaling = DelayedScaling()):
-        if not isinstance(recipe, DelayedScaling):
-            raise TypeError(f"DotGeneral takes a DelayedScaling recipe, got {recipe!r}; for "
-                            "current scaling pass dot_general=jaxamp.fp8.fp8_dot_general")
-        self.fp8 = Fp8Meta(Fp8State.create(recipe))
-        """The :class:`Fp8Meta` variable holding this matmul's :class:`Fp8State`, which the
-        train step updates."""
-
-    def __call__(self, lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
-                 precision: Any = None, preferred_element_type: DTypeLike | None = None,
-                 out_sharding: Any = None) -> jax.Array:
-        del precision, out_sharding
-        return delayed_dot_general(lhs, rhs, dimension_numbers, self.fp8.get_value(),
-                                   preferred_element_type)
+def __getattr__(name: str) -> Any:
+    if name in _NNX_LAYERS:
+        from jaxamp import _fp8_nnx
+        return getattr(_fp8_nnx, name)
+    raise AttributeError(f"module 'jaxamp.fp8' has no attribute {name!r}")
 
 
-class EinsumOp(nnx.Module):
-    """``jnp.einsum`` of two operands through a delayed-scaling :class:`DotGeneral` (for the
-    attention's ``q·k`` and ``p·v``, or ``nnx.Einsum(..., einsum_op=EinsumOp())``).
-
-    >>> op = EinsumOp(DelayedScaling(history_length=4))
-    >>> op("bd,de->be", jnp.ones((2, 3)), jnp.ones((3, 5))).shape
-    (2, 5)
-    """
-
-    def __init__(self, recipe: DelayedScaling = DelayedScaling()):
-        self.dot = DotGeneral(recipe)
-        """The :class:`DotGeneral` that runs the contraction and holds its FP8 metadata."""
-
-    def __call__(self, subscripts: str, *operands: ArrayLike, precision: Any = None,
-                 preferred_element_type: DTypeLike | None = None, **kwargs: Any) -> jax.Array:
-        del precision, kwargs
-        if len(operands) != 2:
-            raise ValueError(f"an FP8 einsum takes two operands (one matmul), got "
-                             f"{len(operands)} for {subscripts!r}")
-        # ``_dot_general`` is jnp.einsum's hook for another dot_general (flax's Linen
-        # attention and fp8_ops pass theirs the same way).
-        return jnp.einsum(subscripts, *operands, preferred_element_type=preferred_element_type,
-                          _dot_general=self._dot)
-
-    def _dot(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-             **kwargs):
-        del kwargs
-        return self.dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-
-
-class Linear(nnx.Linear):
-    """``nnx.Linear`` whose matmul runs in FP8 with delayed scaling: the same arguments, plus
-    ``recipe``.
-
-    >>> from flax import nnx
-    >>> Linear(4, 2, rngs=nnx.Rngs(0))(jnp.ones((3, 4))).dtype
-    dtype('float32')
-    """
-
-    def __init__(self, in_features: int, out_features: int, *,
-                 recipe: DelayedScaling = DelayedScaling(), rngs: nnx.Rngs, **kwargs: Any):
-        super().__init__(in_features, out_features, dot_general=DotGeneral(recipe), rngs=rngs,
-                         **kwargs)
-
-
-class Einsum(nnx.Einsum):
-    """``nnx.Einsum`` whose contraction runs in FP8 with delayed scaling: the same
-    arguments, plus ``recipe``.
-
-    >>> from flax import nnx
-    >>> Einsum("bd,dhk->bhk", (4, 2, 3), rngs=nnx.Rngs(0))(jnp.ones((5, 4))).shape
-    (5, 2, 3)
-    """
-
-    def __init__(self, einsum_str: str, kernel_shape: Any, bias_shape: Any = None, *,
-                 recipe: DelayedScaling = DelayedScaling(), rngs: nnx.Rngs, **kwargs: Any):
-        super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=EinsumOp(recipe),
-                         rngs=rngs, **kwargs)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_NNX_LAYERS})

@@ -15,7 +15,6 @@ flatten/unflatten, ``jit``, ``pmap``, ``jit(...).lower()`` and checkpoints whole
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 from typing import Literal
@@ -24,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxamp._tree import State
 from jaxamp._tree import floating_leaves
 from jaxamp._tree import map_floating
+from jaxamp._tree import static_field
 
 __all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
 
@@ -69,44 +70,6 @@ def _to_i32_scalar(value: Any) -> Any:
     return value
 
 
-def _state_dataclass(cls):
-    """A frozen dataclass registered as a pytree: fields marked ``static`` are treedef
-    metadata, the others are children.
-
-    Unlike ``flax.struct`` (``register_dataclass``), rebuilding from leaves does not call
-    ``__init__``: ``jax.tree.map(lambda x: 0, state)`` or a vmap ``in_axes`` tree must give
-    back exactly the leaves it was handed, while a caller's values are still checked and
-    converted at construction. Both functions derive the field lists from the dataclass, so no
-    field can be dropped.
-    """
-    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
-    fields = dataclasses.fields(cls)
-    data = tuple(f.name for f in fields if not f.metadata.get("static"))
-    meta = tuple(f.name for f in fields if f.metadata.get("static"))
-
-    def flatten_with_keys(obj):
-        children = [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data]
-        return children, tuple(getattr(obj, n) for n in meta)
-
-    def flatten(obj):
-        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
-
-    def unflatten(aux, children):
-        obj = object.__new__(cls)
-        for name, value in zip(data, children, strict=True):
-            object.__setattr__(obj, name, value)
-        for name, value in zip(meta, aux, strict=True):
-            object.__setattr__(obj, name, value)
-        return obj
-
-    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    return cls
-
-
-def _static(default: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"static": True})
-
-
 class _LossScaleMethods:
     """Methods shared by the three loss scales. ``loss_scale`` holds the current fp32 scale."""
 
@@ -128,10 +91,6 @@ class _LossScaleMethods:
         inv = 1.0 / self.loss_scale
         return map_floating(lambda x: x.astype(jnp.float32) * inv, tree)
 
-    def replace(self, **changes: Any):
-        """A copy with some fields changed (hyperparameters are re-validated)."""
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
-
     def at_min_scale(self) -> jax.Array:
         """A scalar bool: True when the scale cannot back off any further.
 
@@ -149,8 +108,7 @@ class _LossScaleMethods:
         return jnp.array(True)
 
 
-@_state_dataclass
-class NoOpLossScale(_LossScaleMethods):
+class NoOpLossScale(_LossScaleMethods, State):
     """No loss scaling: the scale is 1 and ``adjust`` returns ``self``.
 
     >>> import jax.numpy as jnp
@@ -170,8 +128,7 @@ class NoOpLossScale(_LossScaleMethods):
         return self
 
 
-@_state_dataclass
-class StaticLossScale(_LossScaleMethods):
+class StaticLossScale(_LossScaleMethods, State):
     """A fixed loss scale.
 
     >>> import jax.numpy as jnp
@@ -192,8 +149,7 @@ class StaticLossScale(_LossScaleMethods):
         return self
 
 
-@_state_dataclass
-class DynamicLossScale(_LossScaleMethods):
+class DynamicLossScale(_LossScaleMethods, State):
     """A dynamic loss scale with ``torch.amp.GradScaler``'s defaults and timing.
 
     The rule, applied once per step by :meth:`adjust`:
@@ -235,20 +191,20 @@ class DynamicLossScale(_LossScaleMethods):
     hysteresis_left: Any = -1  # -1 (a python int): start with the full `hysteresis` budget
     """Overflows still tolerated before the next backoff, an int32 scalar (``-1`` at
     construction stands for the full ``hysteresis`` budget)."""
-    growth_interval: int = _static(2000)
+    growth_interval: int = static_field(default=2000)
     """Static: the number of consecutive finite steps after which the scale grows (it grows on
     the last of them)."""
-    growth_factor: float = _static(2.0)
+    growth_factor: float = static_field(default=2.0)
     """Static: the factor (> 1) the scale is multiplied by when it grows."""
-    backoff_factor: float = _static(0.5)
+    backoff_factor: float = static_field(default=0.5)
     """Static: the factor, in (0, 1), the scale is multiplied by when it backs off."""
-    min_scale: float | None = _static(None)
+    min_scale: float | None = static_field(default=None)
     """Static: the lowest scale a backoff reaches; ``None`` for the smallest normal fp32."""
-    max_scale: float | None = _static(None)
+    max_scale: float | None = static_field(default=None)
     """Static: the highest scale a growth reaches; ``None`` for no bound but fp32's range."""
-    hysteresis: int = _static(1)
+    hysteresis: int = static_field(default=1)
     """Static: the overflows (>= 1) it takes to back off once; 1 backs off on every one."""
-    hysteresis_refill: Literal["growth", "finite"] = _static("growth")
+    hysteresis_refill: Literal["growth", "finite"] = static_field(default="growth")
     """Static: when the hysteresis budget refills: ``"growth"`` at every growth of the scale,
     ``"finite"`` at every finite step."""
 

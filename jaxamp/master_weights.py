@@ -41,8 +41,8 @@ refuses a state where another transform wraps it (``optax.chain`` with other mem
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import warnings
 from typing import Any
 from typing import NamedTuple
 from typing import cast
@@ -51,18 +51,17 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.core import Tracer
-from jax.experimental.layout import Layout
-from jax.experimental.layout import with_layout_constraint
 from jax.typing import DTypeLike
 
 from jaxamp._loss import check_loss
-from jaxamp._tree import HALF_DTYPES
+from jaxamp._storage import MASTERS
+from jaxamp._storage import Storage
+from jaxamp._storage import is_absent
+from jaxamp._storage import stored_moments
 from jaxamp._tree import INT32_MAX
-from jaxamp._tree import cast_like
 from jaxamp._tree import find_with_path
-from jaxamp._tree import is_floating_array
 from jaxamp._tree import parents_along
+from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import tree_path_str
 from jaxamp.gradients import GradStats
@@ -73,10 +72,6 @@ from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.loss_scale import StaticLossScale
 from jaxamp.policy import Policy
 from jaxamp.policy import get_policy
-from jaxamp.rounding import kahan_join
-from jaxamp.rounding import kahan_split
-from jaxamp.rounding import nudge_ties
-from jaxamp.rounding import stochastic_round
 
 __all__ = [
     "MASTERS",
@@ -89,7 +84,6 @@ __all__ = [
     "scale_loss",
     "working_params",
 ]
-
 
 
 class MixedPrecisionState(NamedTuple):
@@ -131,6 +125,9 @@ class MixedPrecisionState(NamedTuple):
         each applied step folds in ``applied_steps``, then the leaf's index.
       policy: the :class:`~jaxamp.Policy` the transform was built with. Static: a pytree node
         without leaves, part of the treedef, so it survives jit, pmap and every optax wrapper.
+      storage: how each param's fp32 value is kept (the ``master=`` option, per param leaf),
+        static like the policy; every reader of the state (:func:`get_master_params`,
+        :func:`next_working_params`) asks it.
     """
 
     master_params: Any
@@ -172,188 +169,16 @@ class MixedPrecisionState(NamedTuple):
     policy: Policy = Policy()
     """The :class:`~jaxamp.Policy` the transform was built with; static (part of the
     treedef, not a leaf)."""
+    storage: Storage | None = None
+    """How each param leaf's fp32 value is kept: the ``master=`` option and each leaf's working
+    dtype; static like the policy."""
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
-# --------------------------------------------------------------------------------------------
-# The gradient layout on XLA:CPU
-# --------------------------------------------------------------------------------------------
-
-def _pins_layout(pin_grad_layout: bool | None) -> bool:
-    if pin_grad_layout is not None:
-        return bool(pin_grad_layout)
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
-
-
-def _row_major_grads(grads: Any) -> Any:
-    """Pins traced gradients of rank >= 2 to the default row-major layout.
-
-    XLA:CPU emits a weight gradient ``x.T @ dy`` as the product ``dy.T @ x`` read through a
-    column-major bitcast. Elementwise fusions read that layout for free, but the finite check
-    (a reduction) and the ``lax.cond`` boundary of the skip each insert a transposing copy of
-    every such gradient: two extra passes over the grads. Pinning the layout here moves the
-    transpose into the fusion that produces the gradient (its cast to the param dtype), so the
-    step reads the grads once. On the encoder of ``python -m benchmarks overhead`` this takes
-    the bytes accessed from 1.022x to 1.012x the bare bf16 step. The constraint changes no
-    update; only the reported grad norm, an fp32 sum whose order follows the layout, may
-    differ in its last bit. XLA's partitioner all-gathers a gradient sharded over a mesh to
-    pin it, so by default (``pin_grad_layout=None``) it is applied only on a single CPU device;
-    on other backends (TPU's tiled layouts in particular) the grads pass through untouched.
-    """
-    def pin(g):
-        if isinstance(g, Tracer) and getattr(g, "ndim", 0) >= 2:
-            return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
-        return g
-    return jax.tree.map(pin, grads)
-
-
-# --------------------------------------------------------------------------------------------
-# Where each param's fp32 value lives: the storage plan
-# --------------------------------------------------------------------------------------------
-
-MASTERS = ("float32", "kahan", "stochastic", "none")
-"""The ``master=`` options of :func:`mixed_precision`: where the fp32 value of each
-half-precision param lives between steps (``"float32"``, the default, keeps an fp32 copy)."""
 _MOMENTS_DTYPES = ("float32", "bfloat16")
-_ABSENT = optax.MaskedNode()
-
-
-def _is_absent(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _slots(tree: Any, n: int) -> list:
-    """The leaves of a tree laid out like the params, where ``MaskedNode`` marks a param
-    without an entry; ``n`` absent slots for ``None`` (a field this option does not keep)."""
-    return [_ABSENT] * n if tree is None else jax.tree.leaves(tree, is_leaf=_is_absent)
-
-
-# Per param leaf, what the state keeps besides the working param itself:
-_MASTER = "master"          # a copy in param_dtype (master="float32")
-_SAME = "same"              # nothing: it works in param_dtype and is its own master
-_KAHAN = "kahan"            # a half-precision compensation buffer
-_STOCHASTIC = "stochastic"  # nothing: the new value is rounded stochastically
-_NEAREST = "none"           # nothing: the new value is rounded to the nearest
-_OTHER = "other"            # nothing: not floating (the optimizer sees it, never updates it)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """How the fp32 value of each param leaf is stored, and how the moments are; static."""
-
-    kinds: tuple[str, ...]
-    work_dtypes: tuple[Any, ...]
-    treedef: Any
-    moments_dtype: Any  # None: the inner state's dtypes are left alone
-
-    @property
-    def needs_key(self) -> bool:
-        return _STOCHASTIC in self.kinds or self.moments_dtype == jnp.bfloat16
-
-    def view(self, params: Any, master: Any, comp: Any) -> Any:
-        """The tree the inner optimizer works on: each param's value in param_dtype."""
-        n = len(self.kinds)
-        out = []
-        for kind, p, m, c in zip(self.kinds, jax.tree.leaves(params), _slots(master, n),
-                                 _slots(comp, n), strict=True):
-            if kind == _MASTER:
-                out.append(m)
-            elif kind == _KAHAN:
-                out.append(kahan_join(p, c))
-            elif kind in (_STOCHASTIC, _NEAREST):
-                out.append(p.astype(jnp.float32))
-            else:
-                out.append(p)
-        return jax.tree.unflatten(self.treedef, out)
-
-    def split(self, new_view: Any, params: Any, comp: Any, key: Any):
-        """``(master, compensation, targets)`` of the new values: the master leaves
-        (``master="float32"``), the new compensation (``"kahan"``), and for every other
-        floating leaf its new working param (in the param's dtype: the branch hands out 2
-        bytes per bf16 param, not a 4-byte update)."""
-        masters, comps, targets = [], [], []
-        for i, (kind, n, p) in enumerate(zip(self.kinds, jax.tree.leaves(new_view),
-                                             jax.tree.leaves(params), strict=True)):
-            masters.append(n if kind == _MASTER else _ABSENT)
-            if kind == _KAHAN:
-                high, low = _split_as_cast(n, p.dtype)
-                comps.append(low)
-                targets.append(high)
-                continue
-            comps.append(_ABSENT)
-            if kind == _SAME:
-                targets.append(n.astype(p.dtype))
-            elif kind == _STOCHASTIC:
-                targets.append(stochastic_round(n, p.dtype, jax.random.fold_in(key, i)))
-            elif kind == _NEAREST:
-                targets.append(n.astype(p.dtype))
-        master = jax.tree.unflatten(self.treedef, masters)
-        comp = None if comp is None else jax.tree.unflatten(self.treedef, comps)
-        return master, comp, targets
-
-    def unchanged(self, params: Any) -> list:
-        """The targets of a skipped step: the params as they are."""
-        return [p for kind, p in zip(self.kinds, jax.tree.leaves(params), strict=True)
-                if kind not in (_MASTER, _OTHER)]
-
-    def moments_up(self, inner_state: Any) -> Any:
-        """The inner state as the inner optimizer computes with it: fp32 moments."""
-        if self.moments_dtype is None:
-            return inner_state
-        return jax.tree.map(lambda x: x.astype(jnp.float32) if _is_moment(x) else x,
-                            inner_state)
-
-    def moments_down(self, new: Any, old: Any, key: Any) -> Any:
-        """The new inner state in the stored dtypes; bf16 moments rounded stochastically."""
-        if self.moments_dtype != jnp.bfloat16:
-            return cast_like(new, old)
-        new_leaves, treedef = jax.tree.flatten(new)
-        out = []
-        for j, (n, o) in enumerate(zip(new_leaves, jax.tree.leaves(old), strict=True)):
-            if _is_moment(o) and o.dtype == jnp.bfloat16:
-                out.append(stochastic_round(n, jnp.bfloat16, jax.random.fold_in(key, j)))
-            else:
-                out.append(n.astype(o.dtype) if hasattr(o, "dtype") else n)
-        return jax.tree.unflatten(treedef, out)
-
-    def store_moments(self, inner_state: Any) -> Any:
-        """The freshly built inner state in the stored dtypes (rounded to the nearest)."""
-        if self.moments_dtype is None:
-            return inner_state
-        return jax.tree.map(lambda x: x.astype(self.moments_dtype) if _is_moment(x) else x,
-                            inner_state)
-
-
-def _split_as_cast(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """:func:`kahan_split` after an exact tie moves by one fp32 ulp toward the side that
-    round-to-nearest-even takes: the param is then the usual cast of the value, as with a
-    master (at init too, where the params are cast the usual way)."""
-    return kahan_split(nudge_ties(x, dtype), dtype)
-
-
-def _is_moment(x: Any) -> bool:
-    """A per-parameter buffer of the inner state (a moment): a floating array of rank >= 1.
-    Scalars (an injected learning rate, a schedule's value) keep their dtype."""
-    return is_floating_array(x) and getattr(x, "ndim", 0) >= 1
-
-
-def _plan(policy: Policy, params: Any, master: str, moments_dtype: Any) -> _Plan:
-    work_dtypes = policy.working_dtypes(params)
-    param_dtype = jnp.dtype(policy.param_dtype)
-    kinds = []
-    for d in work_dtypes:
-        if d is None:
-            kinds.append(_OTHER)
-        elif jnp.dtype(d) == param_dtype:
-            kinds.append(_SAME)
-        elif master == "float32" or jnp.dtype(d) not in HALF_DTYPES:
-            kinds.append(_MASTER)
-        else:
-            kinds.append({"kahan": _KAHAN, "stochastic": _STOCHASTIC, "none": _NEAREST}[master])
-    return _Plan(tuple(kinds), tuple(work_dtypes), jax.tree.structure(params), moments_dtype)
 
 
 def _step_key(state: MixedPrecisionState) -> Any:
@@ -369,21 +194,7 @@ def _step_key(state: MixedPrecisionState) -> Any:
 # The update, in pieces
 # --------------------------------------------------------------------------------------------
 
-def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
-    """An fp32 update ``u`` with ``(param + u).astype(param.dtype) == target``.
-
-    ``target - param`` is exact in fp32 whenever a half-precision param does not shrink by more
-    than ~2**15x in one step, so the sum reproduces ``target`` bit for bit. A zero difference
-    becomes ``-0.0``, the additive identity that also keeps the sign of a zero param.
-    """
-    t32, p32 = target.astype(jnp.float32), param.astype(jnp.float32)
-    diff = t32 - p32
-    plus_zero = jnp.signbit(p32) & ~jnp.signbit(t32)  # -0 -> +0 needs +0.
-    zero = jnp.where(plus_zero, jnp.float32(0.0), jnp.float32(-0.0))
-    return jnp.where(diff == 0, zero, diff)
-
-
-def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: Policy) -> None:
+def _check_working_dtypes(params: list, paths: list, work_dtypes: tuple, policy: Policy) -> None:
     """The params handed to ``update`` must be the working params: a float32 param under a
     bf16 policy would land on the rounded master and keep computing in float32."""
     for p, path, d in zip(params, paths, work_dtypes, strict=True):
@@ -399,29 +210,32 @@ def _check_working_dtypes(params: list, paths: list, work_dtypes: list, policy: 
                 "nnx.state(model, nnx.Param))))")
 
 
-def _apply(inner, extra_args, plan: _Plan, scale, master, comp, inner_state, params, grads,
-           key):
+def _apply(inner, extra_args, storage: Storage, rounds_moments: bool, scale, master, comp,
+           inner_state, params, grads, key):
     """The finite branch: unscale, run ``inner`` on each param's fp32 value, store the new
-    values (master, compensation or rounded param) and the new moments in their dtypes."""
+    values (master, compensation or rounded param); ``rounds_moments``: ``inner`` is
+    :func:`stored_moments` in bf16, which takes its key as an extra argument."""
     grads = scale.unscale(grads)  # fp32, with the scale used for this step (pre-adjust)
-    view = plan.view(params, master, comp)
-    inner_updates, new_inner = inner.update(grads, plan.moments_up(inner_state), view,
-                                            **extra_args)
-    new_view = optax.apply_updates(view, inner_updates)
+    view = storage.view(params, master, comp)
     param_key = moment_key = None
     if key is not None:
         param_key, moment_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    if rounds_moments:
+        extra_args = {**extra_args, "rounding_key": moment_key}
+    inner_updates, new_inner = inner.update(grads, inner_state, view, **extra_args)
+    new_view = optax.apply_updates(view, inner_updates)
     # The leaves without a master return their new param; the update handed out is the exact
     # difference to it (the inner update itself is not enough: XLA may fuse the optimizer's
     # last multiply into p + u as an FMA).
-    master, comp, targets = plan.split(new_view, params, comp, param_key)
-    return master, comp, plan.moments_down(new_inner, inner_state, moment_key), targets
+    master, comp, targets = storage.split(new_view, params, param_key)
+    return master, comp, new_inner, targets
 
 
-def _skip(plan: _Plan, master, comp, inner_state, params, grads, key):
+def _skip(storage: Storage, master, comp, inner_state, params, grads, key):
     """The non-finite branch: everything stays."""
     del grads, key
-    return master, comp, inner_state, plan.unchanged(params)
+    master, comp, targets = storage.skip(params, master, comp)
+    return master, comp, inner_state, targets
 
 
 _SKIPS = ("auto", "cond", "select")
@@ -452,24 +266,6 @@ def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int
     return skips, stalled
 
 
-def _working_updates(plan: _Plan, master: Any, params: Any, targets: list) -> Any:
-    """Updates that land each working param on its new value: the exact difference to the
-    cast master where there is one, to the branch's new param for the other floating leaves
-    (``-0.0`` where it did not move, so that even signed zeros are kept)."""
-    param_leaves = jax.tree.leaves(params)
-    masters = _slots(master, len(param_leaves))
-    target_iter = iter(targets)
-    updates = []
-    for kind, p, m, d in zip(plan.kinds, param_leaves, masters, plan.work_dtypes, strict=True):
-        if kind == _MASTER:
-            updates.append(_working_update(m.astype(d), p))
-        elif kind == _OTHER:
-            updates.append(jnp.zeros_like(p))
-        else:
-            updates.append(_working_update(next(target_iter), p))
-    return jax.tree.unflatten(plan.treedef, updates)
-
-
 def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: GradStats,
                stall_after: int | None) -> MixedPrecisionState:
     finite = stats.finite
@@ -490,30 +286,32 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
     )
 
 
-def _check_state_matches(plan: _Plan, state: MixedPrecisionState, params: Any,
-                         master: str) -> None:
-    """The state must hold what this transform's plan reads: the state of another ``master=``
-    option (or of other params) would be read wrongly."""
+def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: Any,
+                         moments_dtype: Any) -> None:
+    """The state must hold what this transform's storage reads: the state of another
+    ``master=`` option (or of other params) would be read wrongly."""
     paths = [tree_path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    n = len(plan.kinds)
-    for kind, path, m, c in zip(plan.kinds, paths, _slots(state.master_params, n),
-                                _slots(state.compensation, n), strict=True):
-        has_m, has_c = not _is_absent(m), not _is_absent(c)
-        if has_m != (kind == _MASTER) or has_c != (kind == _KAHAN):
-            held = ("an fp32 master" if has_m else "a compensation buffer" if has_c
-                    else "neither master nor compensation")
-            raise ValueError(
-                f"the optimizer state holds {held} for param {path!r}, which "
-                f"mixed_precision(..., master={master!r}) under policy "
-                f"{state.policy} does not expect: the state was built by "
-                "another master= option or for other params. Build the state with the "
-                "same transform that updates it (tx.init).")
-    if plan.needs_key and state.rounding_key is None:
+    mismatch = storage.mismatch(paths, state.master_params, state.compensation)
+    if mismatch is not None:
         raise ValueError(
-            f"mixed_precision(..., master={master!r}, moments_dtype="
-            f"{None if plan.moments_dtype is None else jnp.dtype(plan.moments_dtype).name!r})"
+            f"the optimizer state {mismatch}, which mixed_precision(..., master="
+            f"{storage.option!r}) under policy {state.policy} does not expect: the state was "
+            "built by another master= option or for other params. Build the state with the "
+            "same transform that updates it (tx.init).")
+    needs_key = storage.needs_key or moments_dtype == jnp.bfloat16
+    if needs_key and state.rounding_key is None:
+        raise ValueError(
+            f"mixed_precision(..., master={storage.option!r}, moments_dtype="
+            f"{None if moments_dtype is None else jnp.dtype(moments_dtype).name!r})"
             " rounds stochastically but the optimizer state holds no rounding key: it was "
             "built by another transform. Build the state with the same transform (tx.init).")
+    if state.storage is not None and state.storage != storage:
+        raise ValueError(
+            f"the optimizer state was built by mixed_precision(..., master="
+            f"{state.storage.option!r}) for params with other working dtypes or another "
+            f"master= option than this transform's (master={storage.option!r}, policy "
+            f"{state.policy}). Build the state with the same transform that updates it "
+            "(tx.init).")
 
 
 def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
@@ -526,13 +324,12 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
                           against="params tree passed to update")
     _check_same_structure(params, state.master_params, what="params passed to update")
     paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    param_leaves = [p for _, p in paths_and_params]
-    plan = _plan(policy, params, master_option, moments_dtype)
-    _check_working_dtypes(param_leaves, [k for k, _ in paths_and_params],
-                          list(plan.work_dtypes), policy)
-    _check_state_matches(plan, state, params, master_option)
-    if _pins_layout(pin_grad_layout):
-        updates = _row_major_grads(updates)
+    storage = Storage.build(policy, params, master_option)
+    _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
+                          storage.work_dtypes, policy)
+    _check_state_matches(storage, state, params, moments_dtype)
+    if pin_grad_layout:  # deprecated here: make_train_step(pin_grad_layout=...)
+        updates = row_major_grads(updates)
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
     # of non-finite leaves. It reads each gradient once, in its own dtype.
     stats = grad_stats(updates, state.loss_scale.loss_scale)
@@ -542,11 +339,12 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # are not finite.
     master, comp, inner_state, targets = _skip_or_apply(
         _resolve_skip(skip), stats.finite,
-        functools.partial(_apply, inner, extra_args, plan, state.loss_scale),
-        functools.partial(_skip, plan),
+        functools.partial(_apply, inner, extra_args, storage, moments_dtype == jnp.bfloat16,
+                          state.loss_scale),
+        functools.partial(_skip, storage),
         state.master_params, state.compensation, state.inner_state, params, updates,
         _step_key(state))
-    new_updates = _working_updates(plan, master, params, targets)
+    new_updates = storage.updates(params, master, targets)
     return new_updates, _new_state(state, master, comp, inner_state, stats, stall_after)
 
 
@@ -560,22 +358,16 @@ def _rounding_key(seed: Any) -> jax.Array:
 
 def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, moments_dtype: Any,
           seed: Any, params) -> MixedPrecisionState:
-    plan = _plan(policy, params, master_option, moments_dtype)
+    storage = Storage.build(policy, params, master_option)
     # Fresh buffers: the state must never share one with the working params, or donating the
     # train state would donate it twice (an inner state may keep the params it was built on).
     values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
                           policy.cast_to_param(params))
-    leaves = jax.tree.leaves(values)
-    master = jax.tree.unflatten(plan.treedef, [
-        v if kind == _MASTER else _ABSENT for kind, v in zip(plan.kinds, leaves, strict=True)])
-    comp = None
-    if master_option == "kahan":
-        comp = jax.tree.unflatten(plan.treedef, [
-            _split_as_cast(v, d)[1] if kind == _KAHAN else _ABSENT
-            for kind, v, d in zip(plan.kinds, leaves, plan.work_dtypes, strict=True)])
+    master, comp = storage.init(values)
+    needs_key = storage.needs_key or moments_dtype == jnp.bfloat16
     return MixedPrecisionState(
         master_params=master,
-        inner_state=plan.store_moments(inner.init(values)),
+        inner_state=inner.init(values),
         # Fresh buffers too: every init must survive another state's donation.
         loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
         applied_steps=jnp.zeros((), jnp.int32),
@@ -587,8 +379,9 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, mome
         skips_at_min_scale=jnp.zeros((), jnp.int32),
         stalled=jnp.array(False),
         compensation=comp,
-        rounding_key=_rounding_key(seed) if plan.needs_key else None,
+        rounding_key=_rounding_key(seed) if needs_key else None,
         policy=policy,
+        storage=storage,
     )
 
 
@@ -679,11 +472,10 @@ def mixed_precision(
         way; ``stalled`` tells a training loop that loss scaling cannot fix the overflow (a
         nan in the data, a diverged model) and that it should stop. A fixed scale (static or
         none) is always at its minimum; a dynamic one once it has backed off to ``min_scale``.
-      pin_grad_layout: pin traced gradients of rank >= 2 to row-major before the finite
-        check and the skip. ``None`` (default): only on XLA:CPU with a single device, where it
-        was measured to save two passes over the gradients; ``True``/``False`` force it on or
-        off. It changes no update, but XLA's partitioner all-gathers a gradient sharded over
-        a device mesh to pin it, which is why the default leaves several devices alone.
+      pin_grad_layout: deprecated: pass it to :func:`jaxamp.make_train_step`, which pins the
+        gradients' layout (by default on a single XLA:CPU device). ``True`` here still pins
+        traced gradients of rank >= 2 to row-major before the finite check, with a
+        ``DeprecationWarning``; it will be removed in the next release.
       skip: how a non-finite step is skipped. ``"cond"``: a ``lax.cond`` around the optimizer,
         which does not run on a skipped step and lets XLA update donated buffers in place;
         ``"select"``: the optimizer runs on every step and ``jnp.where`` keeps each leaf's
@@ -759,7 +551,14 @@ def mixed_precision(
     inner = _as_transformation(inner)
     _check_arguments(inner, loss_scale, stall_after, skip)
     moments_dtype = _check_storage(master, moments_dtype, seed)
+    if pin_grad_layout is not None:
+        warnings.warn("mixed_precision(..., pin_grad_layout=...) is deprecated and will be "
+                      "removed in the next release; pass it to jaxamp.make_train_step("
+                      "loss_fn, pin_grad_layout=...), which pins the gradients before the "
+                      "update", DeprecationWarning, stacklevel=2)
     inner = optax.with_extra_args_support(inner)
+    if moments_dtype is not None:
+        inner = stored_moments(inner, moments_dtype)
     # optax types a state as an ``ArrayTree`` (arrays, and iterables and mappings of them),
     # which leaves no room for a pytree node such as the loss scale or the static policy, and
     # its protocols are not generic in the state's type. These two implement the protocols
@@ -776,14 +575,14 @@ def _check_same_structure(tree: Any, reference: Any, what: str = "gradient tree"
     """``tree`` must be laid out like ``reference`` (a ``MaskedNode`` there stands for any
     leaf), with the same shapes where ``reference`` holds an array."""
     g = jax.tree.structure(tree)
-    m = jax.tree.structure(reference, is_leaf=_is_absent)
+    m = jax.tree.structure(reference, is_leaf=is_absent)
     if g != m:  # type: ignore[operator]
         raise ValueError(
             f"the {what} does not match the {against}: it has structure {g}, the params have "
             f"{m}. Differentiate the loss with respect to the same params the optimizer was "
             "initialised with.")
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                            jax.tree.leaves(reference, is_leaf=_is_absent), strict=True):
+                            jax.tree.leaves(reference, is_leaf=is_absent), strict=True):
         if hasattr(x, "shape") and hasattr(y, "shape") and tuple(x.shape) != tuple(y.shape):
             noun = "gradient" if what == "gradient tree" else "value"
             raise ValueError(
@@ -936,8 +735,8 @@ def get_master_params(opt_state: Any, params: Any = None) -> Any:
     """
     state = find_state(opt_state)
     if params is None:
-        masters = jax.tree.leaves(state.master_params, is_leaf=_is_absent)
-        if any(_is_absent(m) for m in masters):
+        masters = jax.tree.leaves(state.master_params, is_leaf=is_absent)
+        if any(is_absent(m) for m in masters):
             raise ValueError(
                 "this optimizer state keeps no separate master copy of some params (a param "
                 "that works in param_dtype is its own master; master='kahan', 'stochastic' and "
@@ -945,17 +744,14 @@ def get_master_params(opt_state: Any, params: Any = None) -> Any:
                 "params), or read jaxamp.TrainState.master_params")
         return state.master_params
     _check_same_structure(params, state.master_params, what="params")
-    plan = _plan(state.policy, params, _master_option_of(state), None)
-    return plan.view(params, state.master_params, state.compensation)
+    return _storage_of(state).view(params, state.master_params, state.compensation)
 
 
-def _master_option_of(state: MixedPrecisionState) -> str:
-    """The ``master=`` option a state was built with, as far as :meth:`_Plan.view` needs it."""
-    if state.compensation is not None:
-        return "kahan"
-    if any(not _is_absent(m) for m in jax.tree.leaves(state.master_params, is_leaf=_is_absent)):
-        return "float32"
-    return "none"
+def _storage_of(state: MixedPrecisionState) -> Storage:
+    if state.storage is None:
+        raise ValueError("this MixedPrecisionState carries no storage: it was built by hand, "
+                         "not by tx.init. Build it with jaxamp.mixed_precision(...).init(params)")
+    return state.storage
 
 
 def next_working_params(opt_state: Any, params: Any, updates: Any) -> Any:
@@ -974,30 +770,14 @@ def next_working_params(opt_state: Any, params: Any, updates: Any) -> Any:
     (dtype(bfloat16), [0.75, 0.75])
     """
     state = find_state(opt_state)
-    masters = jax.tree.leaves(state.master_params, is_leaf=_is_absent)
-    leaves, treedef = jax.tree.flatten(params)
-    dtypes = state.policy.working_dtypes(params)
-    new = []
-    for p, u, m, d in zip(leaves, jax.tree.leaves(updates), masters, dtypes, strict=True):
-        if not _is_absent(m):
-            new.append(m.astype(d))
-        elif is_floating_array(p):
-            new.append((p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype))
-        else:
-            new.append(p)
-    return jax.tree.unflatten(treedef, new)
+    return _storage_of(state).next_working(params, updates, state.master_params)
 
 
 def storage_of(state: MixedPrecisionState, params: Any) -> Any:
     """A tree like the params holding, per param, the array its fp32 value is updated on: the
     master copy, else the compensation, else the param itself. Its shardings are where the
     data-parallel step reduces the gradients to and where it computes the new params."""
-    n = len(jax.tree.leaves(params))
-    leaves, treedef = jax.tree.flatten(params)
-    return jax.tree.unflatten(treedef, [
-        p if _is_absent(m) and _is_absent(c) else c if _is_absent(m) else m
-        for p, m, c in zip(leaves, _slots(state.master_params, n),
-                           _slots(state.compensation, n), strict=True)])
+    return _storage_of(state).holders(params, state.master_params, state.compensation)
 
 
 def working_params(opt_state: Any, policy: Any = None) -> Any:

@@ -35,7 +35,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -43,12 +42,16 @@ from jax.typing import DTypeLike
 
 from jaxamp import _data_parallel
 from jaxamp import fp8
+from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import walk
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
+from jaxamp._tree import State
 from jaxamp._tree import is_inexact_array
+from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
+from jaxamp._tree import static_field
 from jaxamp.autocasting import autocast as _autocast
 from jaxamp.gradients import grad_stats
 from jaxamp.master_weights import MixedPrecisionState
@@ -84,8 +87,7 @@ def _resolve_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
     return mp.policy
 
 
-@struct.dataclass(kw_only=True)
-class TrainState:
+class TrainState(State, kw_only=True):
     """Everything a step reads and writes, as one pytree (checkpoint it whole).
 
     Attributes:
@@ -116,9 +118,9 @@ class TrainState:
     """Mutable model state such as BatchNorm statistics or FP8 metadata, or ``None``."""
     rng: Any = None
     """A base PRNG key, folded with ``step`` at each step, or ``None``."""
-    tx: optax.GradientTransformation = struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = static_field()
     """The optimizer (static: part of the treedef, not a leaf)."""
-    policy: Policy = struct.field(pytree_node=False)
+    policy: Policy = static_field()
     """The precision policy (static), the one the optimizer state carries."""
 
     @classmethod
@@ -175,6 +177,13 @@ class _StepConfig:
     autocast: bool
     mesh: Any
     data_axis: Any
+    pin_grad_layout: bool | None
+
+
+def _pins_layout(pin_grad_layout: bool | None) -> bool:
+    if pin_grad_layout is not None:
+        return bool(pin_grad_layout)
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
 def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
@@ -218,6 +227,7 @@ def make_train_step(
     autocast: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = "auto",
+    pin_grad_layout: bool | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
@@ -265,6 +275,12 @@ def make_train_step(
       autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
         matmuls in the compute dtype and precision-sensitive ops in fp32, for a model written
         in fp32 with no ``dtype=`` anywhere.
+      pin_grad_layout: pin the traced gradients of rank >= 2 to row-major before the update of
+        :func:`jaxamp.mixed_precision` (its finite check and skip). ``None`` (default): only on
+        XLA:CPU with a single device, where it was measured to save two passes over the
+        gradients; ``True``/``False`` force it on or off. It changes no update, but XLA's
+        partitioner all-gathers a gradient sharded over a device mesh to pin it, which is why
+        the default leaves several devices alone.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
@@ -291,9 +307,12 @@ def make_train_step(
     """
     reduce_dtype = jnp.dtype(reduce_dtype)
     _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name, mesh, data_axis)
+    if pin_grad_layout is not None and not isinstance(pin_grad_layout, bool):
+        raise TypeError(f"pin_grad_layout must be True, False or None, got {pin_grad_layout!r}; "
+                        "None (the default) pins only on a single XLA:CPU device")
     config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
                          reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast),
-                         mesh, data_axis)
+                         mesh, data_axis, pin_grad_layout)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         return _step(config, state, batch)
@@ -341,10 +360,12 @@ def _update(config: _StepConfig, state: TrainState, grads, new_model_state,
             cast_sharding: Any = None):
     """The optimizer's update; the new model state, kept only on an applied step."""
     mixed = maybe_find_state(state.opt_state) is not None
+    if mixed and _pins_layout(config.pin_grad_layout):
+        grads = row_major_grads(grads)
     new_state, metrics = _apply_update(state, grads, mixed, cast_sharding)
     if config.has_model_state:
         model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
-        new_state = dataclasses.replace(new_state, model_state=model_state)
+        new_state = new_state.replace(model_state=model_state)
     return new_state, metrics
 
 
@@ -558,8 +579,7 @@ def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any
                    "grad_norm": stats.norm, "nonfinite_leaves": stats.nonfinite_leaves,
                    "first_nonfinite_leaf": stats.first_nonfinite_leaf,
                    "skips_at_min_scale": jnp.zeros((), jnp.int32), "stalled": jnp.array(False)}
-    new_state = dataclasses.replace(state, step=state.step + 1, params=params,
-                                    opt_state=opt_state)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
 
@@ -575,8 +595,7 @@ def _check_axis_bound(axis_name: str) -> None:
 
 def _fp32_matmul_sites(scaled_loss: Callable, params: Any) -> tuple[int, list[str]]:
     jaxpr = jax.make_jaxpr(lambda p: scaled_loss(p)[0])(params)
-    matmuls = [eqn for eqn, _ in walk(jaxpr)
-               if eqn.primitive.name in ("dot_general", "conv_general_dilated")]
+    matmuls = [eqn for eqn, _ in walk(jaxpr) if eqn.primitive.name in MATMULS]
     sites = [f"{eqn.primitive.name} at {where(eqn)}" for eqn in matmuls
              if any(getattr(v.aval, "dtype", None) == jnp.float32 for v in eqn.invars)]
     return len(matmuls), sites

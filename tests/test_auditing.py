@@ -159,6 +159,23 @@ def test_dense_flops():
     assert sites[0].lhs_shape == (b, i) and sites[0].rhs_shape == (i, o)
 
 
+def test_ragged_dot_flops_in_every_ragged_mode():
+    """A mixture of experts' grouped matmul: the forward (ragged rows), the gradient of the
+    rows (ragged rows again) and of the experts' weights (ragged contraction) each cost
+    2 × m × k × n, whatever the group sizes."""
+    m, k, n, groups = 12, 4, 5, 3
+    sizes = jnp.array([5, 0, 7], jnp.int32)
+    x, w = jnp.ones((m, k)), jnp.ones((groups, k, n))
+
+    def moe(x, w):
+        return jax.lax.ragged_dot(x, w, sizes)
+    fwd = 2 * m * k * n
+    assert jaxamp.audit(moe, x, w).total_matmul_flops == fwd
+    sites = jaxamp.audit_grad(moe, x, w, argnums=(0, 1)).matmuls
+    assert [s.flops for s in sites] == [fwd, fwd, fwd]
+    assert {s.primitive for s in sites} <= {"ragged_dot", "ragged_dot_general"}
+
+
 def test_batched_matmul_einsum_flops():
     b, i, j, k = 3, 5, 7, 4
     x, y = jnp.ones((b, i, j)), jnp.ones((b, j, k))

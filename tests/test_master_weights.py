@@ -759,34 +759,41 @@ def test_works_as_an_nnx_optimizer():
 # --------------------------------------------------------------------------------------------
 
 def _mlp_steps(pin: bool):
-    """A jitted 2-layer MLP step under mixed_bfloat16 adamw, with the layout pin on or off."""
+    """A jitted 2-layer MLP train step under mixed_bfloat16 adamw, with the layout pin on or
+    off."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     master = {"w1": jax.random.normal(k1, (64, 256)) * 0.1,
               "w2": jax.random.normal(k2, (256, 32)) * 0.1, "b": jnp.zeros(32)}
     x = jax.random.normal(k3, (128, 64))
     tx = jaxamp.mixed_precision(optax.adamw(1e-2), "mixed_bfloat16",
-                                loss_scale=jaxamp.DynamicLossScale(2.0 ** 15),
-                                pin_grad_layout=pin)
-    policy = jaxamp.get_policy("mixed_bfloat16")
+                                loss_scale=jaxamp.DynamicLossScale(2.0 ** 15))
 
-    def step(params, opt_state, x):
-        def loss(p):
-            h = jax.nn.relu(x.astype(BF16) @ p["w1"])
-            return jaxamp.scale_loss(jnp.mean((h @ p["w2"] + p["b"]).astype(F32) ** 2),
-                                     opt_state)
-        grads = jax.grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    def loss(p, batch):
+        h = jax.nn.relu(batch["x"] @ p["w1"])
+        return jnp.mean((h @ p["w2"] + p["b"]).astype(F32) ** 2)
 
-    compiled = jax.jit(step).lower(policy.cast_params_to_compute(master), tx.init(master),
-                                   x).compile()
-    params, opt_state = policy.cast_params_to_compute(master), tx.init(master)
+    step = jaxamp.make_train_step(loss, warn_fp32_matmuls=False, pin_grad_layout=pin)
+    state = jaxamp.TrainState.create(params=master, tx=tx)
+    compiled = jax.jit(step).lower(state, {"x": x}).compile()
     trajectory = []
     for i in range(4):
         xi = x.at[0, 0].set(jnp.inf) if i == 2 else x * (1 + i)  # step 2 overflows and skips
-        params, opt_state = compiled(params, opt_state, xi)
-        trajectory.append((params, opt_state))
+        state, _ = compiled(state, {"x": xi})
+        trajectory.append((state.params, jaxamp.find_state(state.opt_state)))
     return compiled, trajectory
+
+
+def test_deprecated_layout_pin_of_the_transform_warns_and_still_pins():
+    with pytest.warns(DeprecationWarning, match="make_train_step"):
+        tx = jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16", pin_grad_layout=True)
+    master = {"w": jnp.ones((3, 4))}
+    params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(master)
+    def constraints(tx):
+        update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+        return update.lower(params, tx.init(master), params).as_text().count(
+            "custom_call @LayoutConstraint")
+    assert constraints(tx) == 1
+    assert constraints(jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16")) == 0
 
 
 def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
@@ -838,18 +845,16 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
 
     def loss(p, b):
         return jnp.mean((jax.nn.relu(b["x"] @ p["w1"]) @ p["w2"]).astype(F32) ** 2)
-    step = jaxamp.make_train_step(loss)
-
-    def state_with(pin):
-        tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16", pin_grad_layout=pin)
-        return jaxamp.TrainState.create(params=master, tx=tx)
+    state = jaxamp.TrainState.create(
+        params=master, tx=jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16"))
 
     def collectives(pin):
-        text = jax.jit(step).lower(state_with(pin), x).compile().as_text()
+        step = jaxamp.make_train_step(loss, pin_grad_layout=pin)
+        text = jax.jit(step).lower(state, x).compile().as_text()
         return {op: text.count(f" {op}(") for op in
                 ("all-gather", "all-reduce", "all-to-all", "collective-permute")}
     assert collectives(None) == collectives(False)
     assert collectives(None)["all-gather"] == 0
-    new_state, _ = jax.jit(step)(state_with(None), x)
+    new_state, _ = jax.jit(jaxamp.make_train_step(loss))(state, x)
     assert new_state.params["w1"].sharding.spec == P(None, "model")
     assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")

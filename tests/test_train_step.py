@@ -613,6 +613,21 @@ def test_fp32_matmul_under_a_half_precision_policy_warns():
     assert any("float32" in str(w.message) for w in caught)
 
 
+def promoting_grouped_loss(params, batch):
+    """The second layer as a two-expert grouped matmul (``ragged_dot``), promoted to fp32."""
+    h = hidden(params, batch["x"]) * jnp.ones((8,), F32)
+    experts = jnp.stack([params["dense2"]["kernel"]] * 2)
+    half = h.shape[0] // 2
+    pred = jax.lax.ragged_dot(h, experts.astype(F32),
+                              jnp.array([half, h.shape[0] - half], jnp.int32))[:, 0]
+    return jnp.mean((pred - batch["y"].astype(F32)) ** 2)
+
+
+def test_fp32_grouped_matmul_warns_too():
+    caught = _trace_and_collect_warnings(promoting_grouped_loss, "mixed_bfloat16")
+    assert any("ragged_dot" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_clean_loss_does_not_warn(policy):
     assert _trace_and_collect_warnings(clean_loss, policy) == []
