@@ -396,6 +396,9 @@ def stored_moments(inner: optax.GradientTransformationExtraArgs,
         updates, new = inner.update(updates, up, params, **extra_args)
         if dtype != jnp.bfloat16:
             return updates, cast_like(new, state)
+        if rounding_key is None:
+            raise ValueError("bf16 moments are rounded stochastically: pass update(..., "
+                             "rounding_key=key), a PRNG key for this step")
         new_leaves, treedef = jax.tree.flatten(new)
         out = []
         for j, (n, o) in enumerate(zip(new_leaves, jax.tree.leaves(state), strict=True)):
