@@ -32,9 +32,9 @@ GPU goals, ``--set extended`` the rest):
   its fp32 rows run the explicit path);
 * ``autocast_bf16`` (the user's GPT only): ``make_train_step(..., autocast=True)``;
 * ``mixed_bfloat16_zero3`` (BERT-Large only): ``mixed_bfloat16`` under ``jax.jit`` with the state
-  of ``jaxamp.state_sharding(params="sharded")`` on a mesh of every device: on one GPU the cost of
-  the data-parallel path (``shard_map``, the explicit fp32 reduction, the sharded update) over
-  the plain step; on several, ZeRO-3 itself;
+  of ``jaxamp.parallel.state_sharding(params="sharded")`` on a mesh of every device: on one GPU
+  the cost of the data-parallel path (``shard_map``, the explicit fp32 reduction, the sharded
+  update) over the plain step; on several, ZeRO-3 itself;
 * ``mixed_bfloat16_kahan``: ``mixed_bfloat16`` with ``master="kahan"`` and bf16 moments (8
   bytes of state per param against 14); ``mixed_bfloat16_stochastic`` (BERT-Large only):
   ``master="stochastic"`` and bf16 moments (6 bytes): their peak memory against
@@ -779,16 +779,16 @@ def measure_jax(model: str, prec: Precision, ctx: Context) -> dict:
 def _on_mesh(built: Built, zero: int, devices: list | None = None) -> tuple[Built, dict]:
     """``built`` with its state and batch on a mesh of every device (or of ``devices``:
     compile-only GPUs under ``--deviceless``, where the state and batch stay abstract, laid out
-    by their shardings), the state sharded by :func:`jaxamp.state_sharding`; and the
+    by their shardings), the state sharded by :func:`jaxamp.parallel.state_sharding`; and the
     ``jax.jit`` shardings of its step."""
     batch = jax.tree.leaves(built.batch)[0].shape[0]
     pool = list(jax.devices() if devices is None else devices)
     # Every device (the largest count that splits the batch: the --tiny batch on 8 CPUs).
     n = max(d for d in range(1, len(pool) + 1) if batch % d == 0)
     mesh = jax.sharding.Mesh(np.array(pool[:n]), ("batch",))
-    shardings = jaxamp.state_sharding(built.state, mesh,
+    shardings = jaxamp.parallel.state_sharding(built.state, mesh,
                                       params="sharded" if zero == 3 else "replicated")
-    batch_sharding = jaxamp.batch_sharding(mesh)
+    batch_sharding = jaxamp.parallel.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if devices is not None:
         def laid_out(tree, sharding):
@@ -800,7 +800,7 @@ def _on_mesh(built: Built, zero: int, devices: list | None = None) -> tuple[Buil
     else:
         placed = dataclasses.replace(
             built, make_state=lambda: jax.device_put(built.make_state(), shardings),
-            batch=jaxamp.put_sharded(built.batch, batch_sharding))
+            batch=jaxamp.parallel.put_sharded(built.batch, batch_sharding))
     return placed, {"in_shardings": (shardings, batch_sharding),
                     "out_shardings": (shardings, replicated)}
 

@@ -6,7 +6,7 @@ Three tables:
 
 - **state**: per-device bytes per param of BERT-Large's training state (``mixed_bfloat16``
   working params, fp32 master, adamw's two moments) on an 8-device mesh, from abstract shapes
-  (nothing runs): replicated, ZeRO-1/2 (``jaxamp.state_sharding(params="replicated")``) and
+  (nothing runs): replicated, ZeRO-1/2 (``jaxamp.parallel.state_sharding(params="replicated")``) and
   ZeRO-3 (``params="sharded"``);
 - **collectives**: for the encoder of the overhead suite under ``mixed_bfloat16``, the
   collectives of each layout by kind and dtype, in the step's jaxpr (the dtype the program
@@ -84,12 +84,12 @@ def state_rows(tiny: bool) -> list[dict]:
     state, n_params = _abstract_state(model, overrides)
     mesh = jax.make_mesh((N_DEVICES,), ("batch",))
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state)
-    zero = functools.partial(jaxamp.state_sharding, state, mesh, min_size=_min_size(tiny))
+    zero = functools.partial(jaxamp.parallel.state_sharding, state, mesh, min_size=_min_size(tiny))
     rows = []
     for layout, sh in (("replicated", replicated), ("zero1", zero()),
                        ("zero3", zero(params="sharded"))):
-        per_device = jaxamp.per_device_bytes(state, sh)
-        parts = {name: jaxamp.per_device_bytes(getattr(state, name), getattr(sh, name))
+        per_device = jaxamp.parallel.per_device_bytes(state, sh)
+        parts = {name: jaxamp.parallel.per_device_bytes(getattr(state, name), getattr(sh, name))
                  for name in ("params", "opt_state")}
         rows.append({"model": model, "params_m": n_params / 1e6, "layout": layout,
                      "bytes_per_param": per_device / n_params,
@@ -118,7 +118,7 @@ def layout_step(task: overhead.EncoderTask, layout: str, min_size: int):
     if layout in ("implicit", "replicated"):
         sh = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), template)
     else:
-        sh = jaxamp.state_sharding(template, mesh, min_size=min_size,
+        sh = jaxamp.parallel.state_sharding(template, mesh, min_size=min_size,
                                    params="sharded" if layout == "zero3" else "replicated")
     amp_step = jaxamp.make_train_step(task.loss,
                                       data_axis=None if layout == "implicit" else "auto")
@@ -127,13 +127,13 @@ def layout_step(task: overhead.EncoderTask, layout: str, min_size: int):
         state, metrics = amp_step(state, batch)
         return state, metrics["loss"]
 
-    batch_sh = jaxamp.batch_sharding(mesh)
+    batch_sh = jaxamp.parallel.batch_sharding(mesh)
     jitted = jax.jit(step, in_shardings=(sh, batch_sh),
                      out_shardings=(sh, NamedSharding(mesh, PartitionSpec())),
                      donate_argnums=0)
 
     create = jax.jit(lambda p: jaxamp.TrainState.create(params=p, tx=tx), out_shardings=sh)
-    return jitted, amp_step, functools.partial(create, task.params), jaxamp.put_sharded(
+    return jitted, amp_step, functools.partial(create, task.params), jaxamp.parallel.put_sharded(
         task.batch, batch_sh)
 
 
@@ -187,7 +187,7 @@ def collective_and_time_rows(tiny: bool, rounds: int) -> list[dict]:
         jaxpr = jaxpr_collectives(amp_step, state, batch)
         rows.append({"layout": layout, "jaxpr_collectives": _summary(jaxpr),
                      "hlo_collectives": _summary(hlo),
-                     "state_mb_per_device": jaxamp.per_device_bytes(state) / 1e6})
+                     "state_mb_per_device": jaxamp.parallel.per_device_bytes(state) / 1e6})
     if rounds:
         runners = {k: functools.partial(_run, compiled, states, k, batches[k]) for k in LAYOUTS}
         times = harness.time_rounds(runners, rounds)

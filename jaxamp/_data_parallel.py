@@ -33,18 +33,57 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-from jaxamp.parallel import axis_names
-from jaxamp.parallel import check_divisible
-from jaxamp.parallel import check_mesh_axis
-from jaxamp.parallel import spec_entry
+__all__ = ["DataParallel", "axis_names", "check_batch", "check_divisible", "check_mesh_axis",
+           "find", "gather", "reduce", "spec_entry", "stack", "sync", "to_varying"]
 
-__all__ = ["DataParallel", "check_batch", "find", "gather", "reduce", "spec_entry", "stack",
-           "sync", "to_varying"]
+# The mesh helpers of this module and of jaxamp.parallel.
+
+def check_divisible(batch: Any, n: int, over: str) -> None:
+    """Every leaf's leading (batch) axis must split into ``n`` equal parts: ``over`` names
+    them in the error (``"the device count 8"``)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = np.shape(x)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, whose "
+                f"leading (batch) axis does not split over {over}; use a batch size that is a "
+                f"multiple of {n}")
+
+
+def axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``"batch"`` -> ``("batch",)``; a tuple of names stays as it is."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def spec_entry(axis: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    names = axis_names(axis)
+    return names[0] if len(names) == 1 else names
+
+
+def check_mesh_axis(mesh: Any, axis: Any, argument: str) -> tuple[str, ...]:
+    """The names of ``axis``, each checked to be an axis of ``mesh``."""
+    if isinstance(axis, str):
+        names: tuple[str, ...] = (axis,)
+    elif isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis):
+        names = axis
+    else:
+        raise TypeError(f"{argument} must be a mesh axis name or a tuple of names, got "
+                        f"{axis!r}; e.g. {argument}='batch'")
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"{argument}={axis!r} is not an axis of the mesh, whose axes are "
+            f"{tuple(mesh.axis_names)} with sizes {tuple(mesh.axis_sizes)}; pass one of them "
+            f"({argument}={mesh.axis_names[0]!r}), or build the mesh with that name: "
+            f"jax.make_mesh((jax.device_count(),), ({names[0]!r},))")
+    return names
+
 
 AUTO = "auto"
 
@@ -190,12 +229,12 @@ def find(mesh: Any, data_axis: Any, state: Any, batch: Any, *,
     types = dict(zip(found.axis_names, found.axis_types, strict=True))
     if any(types[a] == AxisType.Manual for a in names):
         return None  # inside the user's own shard_map over the data axis: run as written
-    fix = ("put it on the step's mesh: jax.device_put(state, jaxamp.state_sharding(state, "
+    fix = ("put it on the step's mesh: jax.device_put(state, jaxamp.parallel.state_sharding(state, "
            "mesh)) (orbax restores a checkpoint onto any mesh given such shardings)")
     _check_on_mesh(state, found, "state", fix)
     _check_on_mesh(batch, found, "batch",
-                   "put it on the step's mesh: jaxamp.put_sharded(batch, "
-                   "jaxamp.batch_sharding(mesh))")
+                   "put it on the step's mesh: jaxamp.parallel.put_sharded(batch, "
+                   "jaxamp.parallel.batch_sharding(mesh))")
     size = math.prod(_sizes(found)[a] for a in names)
     explicit = all(types[a] == AxisType.Explicit for a in names)
     return DataParallel(found, names, size, explicit)

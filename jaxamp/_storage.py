@@ -28,13 +28,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
+from jax.typing import DTypeLike
 
 from jaxamp._tree import HALF_DTYPES
 from jaxamp._tree import cast_like
 from jaxamp._tree import is_floating_array
 from jaxamp.rounding import kahan_join
 from jaxamp.rounding import kahan_split
-from jaxamp.rounding import nudge_ties
 from jaxamp.rounding import stochastic_round
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MASTERS",
     "Storage",
     "is_absent",
+    "nudge_ties",
     "stored_moments",
 ]
 
@@ -69,6 +71,22 @@ def _working_update(target: jax.Array, param: jax.Array) -> jax.Array:
     plus_zero = jnp.signbit(p32) & ~jnp.signbit(t32)  # -0 -> +0 needs +0.
     zero = jnp.where(plus_zero, jnp.float32(0.0), jnp.float32(-0.0))
     return jnp.where(diff == 0, zero, diff)
+
+
+def nudge_ties(x: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """``x`` moved by one fp32 ulp where it lies exactly halfway between two ``dtype``
+    values, toward the one that round-to-nearest-even picks; unchanged elsewhere. Then
+    :func:`kahan_split`'s ``high`` equals ``x.astype(dtype)``: a compensation made at init
+    agrees with params cast the usual way."""
+    dtype = jnp.dtype(dtype)
+    x = jnp.asarray(x).astype(jnp.float32)
+    if dtype != jnp.bfloat16:
+        return x
+    raw = lax.bitcast_convert_type(x, jnp.uint32)
+    tie = (raw & jnp.uint32(0xFFFF)) == 0x8000
+    up = ((raw >> 16) & 1) == 1  # round-to-nearest-even rounds an odd upper half up
+    nudged = jnp.where(up, raw + 1, raw - 1)
+    return lax.bitcast_convert_type(jnp.where(tie & jnp.isfinite(x), nudged, raw), jnp.float32)
 
 
 def _split_as_cast(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:

@@ -62,7 +62,8 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
 
 __all__ = ["AMAX_ALGOS", "FORMATS", "CurrentScaling", "DelayedScaling", "DotGeneral",
            "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear", "amax", "compute_scale",
-           "dequantize", "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize",
+           "delayed_dot_general", "dequantize", "find_fp8_states", "fp8_dot_general", "fp8_max",
+           "quantize",
            "update_fp8_state"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)

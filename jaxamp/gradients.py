@@ -1,5 +1,7 @@
 """Gradient statistics: one pass over the gradients gives the finite check, the global norm and
-the per-leaf diagnosis (:func:`grad_stats`), and :func:`nonfinite_leaf_path` names the leaf.
+the per-leaf diagnosis (:func:`grad_stats`), and :func:`nonfinite_leaf_path` names the leaf;
+:func:`all_finite` is the finite check alone, :func:`tree_path_str` the path of a leaf as the
+diagnostics write it.
 
 Both count leaves with the same predicate (``jaxamp._tree.is_floating``), so the index that
 ``grad_stats`` reports always maps back to the right path.
@@ -19,7 +21,24 @@ from jaxamp._tree import floating_leaves
 from jaxamp._tree import floating_leaves_with_path
 from jaxamp._tree import tree_path_str
 
-__all__ = ["GradStats", "grad_stats", "nonfinite_leaf_path"]
+__all__ = ["GradStats", "all_finite", "grad_stats", "nonfinite_leaf_path", "tree_path_str"]
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: True when every element of every floating leaf of ``tree`` is finite.
+
+    Non-floating leaves are ignored; an empty tree is finite.
+
+    >>> import jax.numpy as jnp
+    >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.arange(2)}))
+    True
+    >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
+    False
+    """
+    leaves = floating_leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
 class GradStats(NamedTuple):

@@ -19,20 +19,13 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from jaxamp._data_parallel import axis_names
+from jaxamp._data_parallel import check_divisible
+from jaxamp._data_parallel import check_mesh_axis
+from jaxamp._data_parallel import spec_entry
+
 __all__ = ["batch_sharding", "per_device_bytes", "put_sharded", "replicate", "shard_batch",
            "state_sharding", "unreplicate", "zero_spec"]
-
-
-def check_divisible(batch: Any, n: int, over: str) -> None:
-    """Every leaf's leading (batch) axis must split into ``n`` equal parts: ``over`` names
-    them in the error (``"the device count 8"``)."""
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = np.shape(x)
-        if not shape or shape[0] % n:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}, whose "
-                f"leading (batch) axis does not split over {over}; use a batch size that is a "
-                f"multiple of {n}")
 
 
 def replicate(tree: Any, devices: list | None = None) -> Any:
@@ -115,37 +108,8 @@ MIN_SHARD_SIZE = 2**12
 _PARAMS_MODES = ("replicated", "sharded")
 
 
-def axis_names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
-    """``"batch"`` -> ``("batch",)``; a tuple of names stays as it is."""
-    return (axis,) if isinstance(axis, str) else tuple(axis)
-
-
-def spec_entry(axis: str | tuple[str, ...]) -> str | tuple[str, ...]:
-    names = axis_names(axis)
-    return names[0] if len(names) == 1 else names
-
-
 def _mesh_sizes(mesh: Any) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
-def check_mesh_axis(mesh: Any, axis: Any, argument: str) -> tuple[str, ...]:
-    """The names of ``axis``, each checked to be an axis of ``mesh``."""
-    if isinstance(axis, str):
-        names: tuple[str, ...] = (axis,)
-    elif isinstance(axis, tuple) and axis and all(isinstance(a, str) for a in axis):
-        names = axis
-    else:
-        raise TypeError(f"{argument} must be a mesh axis name or a tuple of names, got "
-                        f"{axis!r}; e.g. {argument}='batch'")
-    missing = [a for a in names if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(
-            f"{argument}={axis!r} is not an axis of the mesh, whose axes are "
-            f"{tuple(mesh.axis_names)} with sizes {tuple(mesh.axis_sizes)}; pass one of them "
-            f"({argument}={mesh.axis_names[0]!r}), or build the mesh with that name: "
-            f"jax.make_mesh((jax.device_count(),), ({names[0]!r},))")
-    return names
 
 
 def zero_spec(shape: tuple[int, ...], axis: str | tuple[str, ...], axis_size: int, *,
@@ -271,7 +235,7 @@ def per_device_bytes(tree: Any, shardings: Any = None) -> int:
     if len(shards) != len(leaves):
         raise ValueError(f"shardings has {len(shards)} leaves but tree has {len(leaves)}; pass "
                          "a tree of shardings with the structure of tree, e.g. "
-                         "jaxamp.state_sharding(state, mesh)")
+                         "jaxamp.parallel.state_sharding(state, mesh)")
     per_device: collections.Counter = collections.Counter()
     whole = 0
     for x, sharding in zip(leaves, shards, strict=True):

@@ -148,19 +148,3 @@ def kahan_join(high: jax.Array, low: jax.Array) -> jax.Array:
         raw = ((bits - up) << 16) | low.astype(jnp.uint32)
         return lax.bitcast_convert_type(raw, jnp.float32)
     return high.astype(jnp.float32) + low.astype(jnp.float32)
-
-
-def nudge_ties(x: jax.Array, dtype: DTypeLike) -> jax.Array:
-    """``x`` moved by one fp32 ulp where it lies exactly halfway between two ``dtype``
-    values, toward the one that round-to-nearest-even picks; unchanged elsewhere. Then
-    :func:`kahan_split`'s ``high`` equals ``x.astype(dtype)``: a compensation made at init
-    agrees with params cast the usual way."""
-    dtype = jnp.dtype(dtype)
-    x = jnp.asarray(x).astype(jnp.float32)
-    if dtype != jnp.bfloat16:
-        return x
-    raw = lax.bitcast_convert_type(x, jnp.uint32)
-    tie = (raw & jnp.uint32(0xFFFF)) == 0x8000
-    up = ((raw >> 16) & 1) == 1  # round-to-nearest-even rounds an odd upper half up
-    nudged = jnp.where(up, raw + 1, raw - 1)
-    return lax.bitcast_convert_type(jnp.where(tie & jnp.isfinite(x), nudged, raw), jnp.float32)

@@ -468,11 +468,12 @@ def test_pmap_and_an_8_way_sharded_jit_equal_one_device():
     params, batch = init_params(), make_batch()
     one = jax.grad(ac)(params, batch)
     pmapped = jax.pmap(lambda p, b: lax.pmean(jax.grad(ac)(p, b), "d"), axis_name="d")(
-        jaxamp.replicate(params), jaxamp.shard_batch(batch))
+        jaxamp.parallel.replicate(params), jaxamp.parallel.shard_batch(batch))
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     sharded = jax.jit(jax.grad(ac))(jax.device_put(params, NamedSharding(mesh, P())),
-                                    jaxamp.put_sharded(batch, NamedSharding(mesh, P("batch"))))
-    for a, b, c in zip(jax.tree.leaves(one), jax.tree.leaves(jaxamp.unreplicate(pmapped)),
+                                    jaxamp.parallel.put_sharded(
+                                        batch, NamedSharding(mesh, P("batch"))))
+    for a, b, c in zip(jax.tree.leaves(one), jax.tree.leaves(jaxamp.parallel.unreplicate(pmapped)),
                        jax.tree.leaves(sharded), strict=True):
         # bf16 matmuls over 8 shards round their partial sums differently: 1% of the scale.
         tol = 1e-2 * float(jnp.max(jnp.abs(a)))
@@ -635,7 +636,7 @@ def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
     marked call while it traces, and puts JAX's function back afterwards, on an error too. An
     explicit ``implementation`` is passed through as asked. Without cuDNN (this CPU lane) the
     call runs the XLA implementation under the rules: the same values as before."""
-    from jaxamp import autocasting
+    from jaxamp import _autocast as autocasting
     from jaxamp._jaxpr import walk
     original = jax.nn.dot_product_attention
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))

@@ -158,9 +158,10 @@ CASES = [
     ("scale_loss_not_floating", lambda: jaxamp.scale_loss(jnp.int32(3), _state().opt_state),
      TypeError, ["the loss must be floating", "int32", "in float32"]),
     # Batches that do not divide.
-    ("batch_not_divisible_by_devices", lambda: jaxamp.shard_batch({"x": np.zeros((10, 2))}),
+    ("batch_not_divisible_by_devices",
+     lambda: jaxamp.parallel.shard_batch({"x": np.zeros((10, 2))}),
      ValueError, ["batch leaf ['x']", "(10, 2)", "device count 8", "multiple of 8"]),
-    ("sharded_batch_not_divisible", lambda: jaxamp.put_sharded({"x": np.zeros((12, 2))}),
+    ("sharded_batch_not_divisible", lambda: jaxamp.parallel.put_sharded({"x": np.zeros((12, 2))}),
      ValueError, ["batch leaf ['x']", "(12, 2)", "multiple of 8"]),
     ("batch_not_divisible_by_accum_steps", lambda: _step(accum_steps=3), ValueError,
      ["accum_steps=3 does not divide the batch size 16", "multiple of 3"]),

@@ -137,6 +137,6 @@ def test_the_strict_build_fails_on_a_broken_page(breakage, tmp_path):
         assert result.returncode != 0, f"the build passed despite a broken {breakage}"
         expected = {"reference_and_link": ["jaxamp.no_such_name", "no-such-page.md"],
                     "notebook": ["01_quickstart"],
-                    "docstring": ["jaxamp.kahan_join has no docstring"]}
+                    "docstring": ["jaxamp.rounding.kahan_join has no docstring"]}
         for message in expected[breakage]:
             assert message in result.stderr + result.stdout, result.stderr[-3000:]

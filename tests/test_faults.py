@@ -165,12 +165,14 @@ def compiled_step(layout):
 
 def place(layout, state):
     if layout == "pmap":
-        return jaxamp.replicate(state)
+        return jaxamp.parallel.replicate(state)
     return jax.device_put(state, replicated_sharding())
 
 
 def put_batch(layout, batch):
-    return jaxamp.shard_batch(batch) if layout == "pmap" else jaxamp.put_sharded(batch)
+    if layout == "pmap":
+        return jaxamp.parallel.shard_batch(batch)
+    return jaxamp.parallel.put_sharded(batch)
 
 
 def first(x):
@@ -233,7 +235,7 @@ def run(layout, scale, schedule, *, batches=None, next_batch=None, **state_kwarg
         for leaf in jax.tree.leaves(jax.device_get(state)):
             leaf = bits(leaf)
             assert (leaf == leaf[:1]).all()
-        state = jaxamp.unreplicate(state)
+        state = jaxamp.parallel.unreplicate(state)
     out.state = jax.device_get(state)
     return out
 

@@ -405,7 +405,7 @@ def test_pmap_and_sharded_jit_take_the_max_over_devices_and_agree():
     flags = dict(has_model_state=True)
     pstep = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch", **flags),
                      axis_name="batch")
-    pstate = jaxamp.replicate(state)
+    pstate = jaxamp.parallel.replicate(state)
     mesh = jax.make_mesh((n,), ("batch",))
     jstep = jax.jit(jaxamp.make_train_step(loss_fn, **flags))
     jstate = jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
@@ -413,16 +413,17 @@ def test_pmap_and_sharded_jit_take_the_max_over_devices_and_agree():
     per_device = [states_of(single(state, jax.tree.map(lambda x, d=d: x[4 * d:4 * d + 4],
                                                        batch))[0]) for d in range(n)]
     for _ in range(3):
-        pstate, _ = pstep(pstate, jaxamp.shard_batch(batch))
-        jstate, _ = jstep(jstate, jaxamp.put_sharded(batch, jaxamp.batch_sharding(mesh)))
+        pstate, _ = pstep(pstate, jaxamp.parallel.shard_batch(batch))
+        jstate, _ = jstep(jstate, jaxamp.parallel.put_sharded(
+            batch, jaxamp.parallel.batch_sharding(mesh)))
         if _ == 0:  # each device's amax is its shard's, as one device would see it alone
             for i, s in enumerate(states_of(jstate)):
                 rows = np.stack([np.asarray(p[i].amax_history[:, 0]) for p in per_device])
                 np.testing.assert_array_equal(s.amax_history[:, 0], rows.max(0))
                 assert not np.array_equal(rows.max(0), rows[0])
-    assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).model_state),
+    assert_tree_bitwise_equal(jax.device_get(jaxamp.parallel.unreplicate(pstate).model_state),
                               jax.device_get(jstate.model_state))
-    assert_tree_bitwise_equal(jax.device_get(jaxamp.unreplicate(pstate).params),
+    assert_tree_bitwise_equal(jax.device_get(jaxamp.parallel.unreplicate(pstate).params),
                               jax.device_get(jstate.params))
 
 

@@ -15,8 +15,8 @@ import pytest
 from jax import lax
 
 import jaxamp
+from jaxamp import _audit as auditing
 from jaxamp import _jaxpr
-from jaxamp import auditing
 
 # The range the private APIs were checked in: jax 0.10.2, 0.11.2 and 0.12.0.1, each with this
 # module's tests. A JAX outside it is not an error for users (the audit falls back to the

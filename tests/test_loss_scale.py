@@ -20,7 +20,7 @@ import jaxamp
 from jaxamp import DynamicLossScale
 from jaxamp import NoOpLossScale
 from jaxamp import StaticLossScale
-from jaxamp import all_finite
+from jaxamp.gradients import all_finite
 
 # The library's own arithmetic must be promotion-clean (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("strict_promotion")
@@ -766,4 +766,4 @@ def test_noop_adjust_keeps_a_strong_fp32_scale(finite):
 
 def test_loss_scale_union_and_exports():
     assert jaxamp.LossScale == NoOpLossScale | StaticLossScale | DynamicLossScale
-    assert jaxamp.all_finite is all_finite
+    assert jaxamp.gradients.all_finite is all_finite

@@ -147,19 +147,19 @@ def test_accumulated_micro_batches_name_the_poisoned_leaf():
 def test_every_pmap_replica_names_the_same_leaf():
     state = make_state("mixed_float16")
     step = jax.pmap(jaxamp.make_train_step(poisoned_loss, axis_name="batch"), axis_name="batch")
-    rstate = jaxamp.replicate(state)
+    rstate = jaxamp.parallel.replicate(state)
     batch = make_batch()
 
-    rstate, m = step(rstate, jaxamp.shard_batch(batch))
+    rstate, m = step(rstate, jaxamp.parallel.shard_batch(batch))
     np.testing.assert_array_equal(np.asarray(m["first_nonfinite_leaf"]), [-1] * N_DEVICES)
     # Example 5 sits on device 2 (two examples per device): only its gradient is infinite
     # before the cross-device mean.
-    rstate, m = step(rstate, jaxamp.shard_batch(poisoned(batch, 5)))
+    rstate, m = step(rstate, jaxamp.parallel.shard_batch(poisoned(batch, 5)))
     np.testing.assert_array_equal(np.asarray(m["grads_finite"]), [False] * N_DEVICES)
     np.testing.assert_array_equal(np.asarray(m["nonfinite_leaves"]), [1] * N_DEVICES)
     firsts = np.asarray(m["first_nonfinite_leaf"])
     np.testing.assert_array_equal(firsts, [LAYER1_KERNEL] * N_DEVICES)
-    params = jaxamp.unreplicate(rstate).params
+    params = jaxamp.parallel.unreplicate(rstate).params
     assert {jaxamp.nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
     mp = jaxamp.find_state(rstate.opt_state)
     np.testing.assert_array_equal(np.asarray(mp.first_nonfinite_leaf), firsts)

@@ -17,7 +17,7 @@ import jaxamp
 from jaxamp import Policy
 from jaxamp import get_policy
 from jaxamp import resolve_auto
-from jaxamp import tree_path_str
+from jaxamp.gradients import tree_path_str
 
 # The library's own arithmetic must be promotion-clean (see tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("strict_promotion")

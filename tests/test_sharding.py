@@ -1,5 +1,5 @@
 """Data parallelism under ``jax.jit``: the fp32 gradient reduction, and the sharded (ZeRO) state
-of ``jaxamp.state_sharding``, on 8 virtual CPU devices.
+of ``jaxamp.parallel.state_sharding``, on 8 virtual CPU devices.
 
 ``pytest tests/test_sharding.py -s -k equals_replicated`` prints the per-device state bytes of
 each layout."""
@@ -75,14 +75,14 @@ def mesh_of(n=N, kind=AxisType.Explicit, name="batch"):
 def shardings(state, mesh, layout):
     if layout == "replicated":
         return jax.tree.map(lambda _: NamedSharding(mesh, P()), state)
-    return jaxamp.state_sharding(state, mesh,
+    return jaxamp.parallel.state_sharding(state, mesh,
                                  params="sharded" if layout == "zero3" else "replicated")
 
 
 def jit_step(state, mesh, layout, **step_kwargs):
     """``(placed state, jitted step, batch sharding)`` for ``layout`` on ``mesh``."""
     sh = shardings(state, mesh, layout)
-    batch_sh = jaxamp.batch_sharding(mesh)
+    batch_sh = jaxamp.parallel.batch_sharding(mesh)
     step = jax.jit(jaxamp.make_train_step(loss_fn, **step_kwargs),
                    in_shardings=(sh, batch_sh),
                    out_shardings=(sh, NamedSharding(mesh, P())), donate_argnums=0)
@@ -115,15 +115,16 @@ def host_leaves(state):
     ((), P()),
 ])
 def test_zero_spec_rule(shape, expected):
-    assert jaxamp.zero_spec(shape, "batch", 8) == expected
+    assert jaxamp.parallel.zero_spec(shape, "batch", 8) == expected
 
 
 def test_zero_spec_keeps_another_axis_and_takes_a_free_dimension():
-    assert jaxamp.zero_spec((256, 64), "data", 4, base=P("model")) == P("model", "data")
-    assert jaxamp.zero_spec((256, 64), "data", 4, base=P(None, "model")) == P("data", "model")
+    assert jaxamp.parallel.zero_spec((256, 64), "data", 4, base=P("model")) == P("model", "data")
+    assert (jaxamp.parallel.zero_spec((256, 64), "data", 4, base=P(None, "model"))
+            == P("data", "model"))
     # Already split over the axis: kept as it is.
-    assert jaxamp.zero_spec((256, 64), "data", 4, base=P("data")) == P("data")
-    assert jaxamp.zero_spec((512, 512), ("a", "b"), 8) == P(("a", "b"))
+    assert jaxamp.parallel.zero_spec((256, 64), "data", 4, base=P("data")) == P("data")
+    assert jaxamp.parallel.zero_spec((512, 512), ("a", "b"), 8) == P(("a", "b"))
 
 
 @pytest.mark.parametrize("params_mode", ["replicated", "sharded"])
@@ -132,7 +133,7 @@ def test_state_sharding_splits_the_master_and_the_moments(params_mode):
                        model_state={"mean": jnp.zeros((4096,))})
     mesh = mesh_of()
     for tree in (state, jax.eval_shape(lambda: state)):   # concrete or abstract
-        sh = jaxamp.state_sharding(tree, mesh, params=params_mode)
+        sh = jaxamp.parallel.state_sharding(tree, mesh, params=params_mode)
         assert jax.tree.structure(sh) == jax.tree.structure(state)
         mp = jaxamp.find_state(sh.opt_state)
         adam = mp.inner_state[0]
@@ -152,15 +153,15 @@ def test_state_sharding_splits_the_master_and_the_moments(params_mode):
 def test_state_sharding_bad_input_names_the_value_and_the_fix():
     state = make_state()
     with pytest.raises(ValueError, match=r"axis='data' is not an axis of the mesh.*'batch'"):
-        jaxamp.state_sharding(state, mesh_of(), axis="data")
+        jaxamp.parallel.state_sharding(state, mesh_of(), axis="data")
     with pytest.raises(ValueError, match="params must be 'replicated'.*'sharded'.*got 'all'"):
-        jaxamp.state_sharding(state, mesh_of(), params="all")
+        jaxamp.parallel.state_sharding(state, mesh_of(), params="all")
     with pytest.raises(TypeError, match="expects a jaxamp.TrainState"):
-        jaxamp.state_sharding(state.params, mesh_of())
+        jaxamp.parallel.state_sharding(state.params, mesh_of())
     with pytest.raises(TypeError, match="jax.sharding.Mesh"):
-        jaxamp.state_sharding(state, "batch")
+        jaxamp.parallel.state_sharding(state, "batch")
     with pytest.raises(ValueError, match="min_size"):
-        jaxamp.state_sharding(state, mesh_of(), min_size=0)
+        jaxamp.parallel.state_sharding(state, mesh_of(), min_size=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_the_gradients_of_bf16_params_are_reduced_in_reduce_dtype(kind, layout, 
     mesh = mesh_of(kind=kind)
     state = make_state("mixed_bfloat16")
     state, _, batch_sh = jit_step(state, mesh, layout)
-    batch = jaxamp.put_sharded(make_batch(), batch_sh)
+    batch = jaxamp.parallel.put_sharded(make_batch(), batch_sh)
     found = collectives(jaxamp.make_train_step(loss_fn, reduce_dtype=reduce_dtype), state, batch)
     master = jaxamp.find_state(state.opt_state).master_params
     shapes = {tuple(x.shape) for x in jax.tree.leaves(master)}
@@ -211,7 +212,8 @@ def test_the_working_params_are_cast_on_the_master_shards_and_gathered_in_half()
     not the fp32 master. XLA:CPU keeps fp16 collectives (it computes bf16 ones in fp32), so the
     compiled HLO shows the dtype."""
     placed, step, batch_sh = jit_step(make_state("mixed_float16"), mesh_of(), "zero1")
-    text = step.lower(placed, jaxamp.put_sharded(make_batch(), batch_sh)).compile().as_text()
+    batch = jaxamp.parallel.put_sharded(make_batch(), batch_sh)
+    text = step.lower(placed, batch).compile().as_text()
     gathers = [line for line in text.splitlines() if re.search(r" all-gather(-start)?\(", line)]
     assert len(gathers) == 2, gathers   # the two split kernels
     assert all(re.search(r"= f16\[", line) for line in gathers), gathers
@@ -221,7 +223,7 @@ def test_without_a_data_axis_the_reduction_is_left_to_xla():
     """``data_axis=None`` is the implicit reduction (no collective in the jaxpr)."""
     mesh = mesh_of(kind=AxisType.Auto)
     state, _, batch_sh = jit_step(make_state("mixed_bfloat16"), mesh, "replicated")
-    batch = jaxamp.put_sharded(make_batch(), batch_sh)
+    batch = jaxamp.parallel.put_sharded(make_batch(), batch_sh)
     assert not collectives(jaxamp.make_train_step(loss_fn, data_axis=None), state, batch)
 
 
@@ -237,7 +239,7 @@ def run_layout(layout, kind, steps=20, skip_at=11):
     for i in range(steps):
         batch = make_batch(seed=i)
         batch = poisoned(batch, 5) if i == skip_at else batch
-        state, m = step(state, jaxamp.put_sharded(batch, batch_sh))
+        state, m = step(state, jaxamp.parallel.put_sharded(batch, batch_sh))
         history.append((float(m["loss_scale"]), bool(m["grads_finite"]), float(m["loss"])))
     return state, history
 
@@ -272,26 +274,28 @@ def test_sharded_state_equals_replicated_state_over_20_steps(kind, capsys):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # Per-device bytes: at most 1/8 of the replicated state plus its replicated small leaves.
     rep = states["replicated"]
-    full = jaxamp.per_device_bytes(rep)
+    full = jaxamp.parallel.per_device_bytes(rep)
     with capsys.disabled():
         print()
         for layout in LAYOUTS:
             sh = shardings(rep, mesh_of(kind=kind), layout)
-            got = jaxamp.per_device_bytes(states[layout])
-            assert got == jaxamp.per_device_bytes(rep, sh)   # as the shardings predict
+            got = jaxamp.parallel.per_device_bytes(states[layout])
+            assert got == jaxamp.parallel.per_device_bytes(rep, sh)   # as the shardings predict
             assert got <= full / N + small_leaf_bytes(rep, sh), layout
             print(f"  {kind.name} {layout}: {got} bytes per device ({got / full:.3f}x replicated;"
                   f" the small replicated leaves: {small_leaf_bytes(rep, sh)})")
-    assert jaxamp.per_device_bytes(states["zero3"]) < jaxamp.per_device_bytes(states["zero1"])
+    per_device = jaxamp.parallel.per_device_bytes
+    assert per_device(states["zero3"]) < per_device(states["zero1"])
 
 
 def test_an_inf_on_one_device_skips_the_step_everywhere_with_the_sharded_state_unchanged():
     mesh = mesh_of()
     state, step, batch_sh = jit_step(make_state(), mesh, "zero3")
-    state, _ = step(state, jaxamp.put_sharded(make_batch(), batch_sh))
+    state, _ = step(state, jaxamp.parallel.put_sharded(make_batch(), batch_sh))
     before = jax.device_get(state)
     for row in (0, 13, 31):   # on device 0, 3 and 7
-        state, m = step(state, jaxamp.put_sharded(poisoned(make_batch(seed=2), row), batch_sh))
+        state, m = step(state, jaxamp.parallel.put_sharded(poisoned(make_batch(seed=2), row),
+                                                           batch_sh))
         assert not bool(m["grads_finite"])
         after = jax.device_get(state)
         mp_before, mp_after = (jaxamp.find_state(s.opt_state) for s in (before, after))
@@ -317,16 +321,16 @@ def test_pmap_and_the_data_parallel_jit_are_bit_identical(policy):
         state = make_state(policy)
     batch = make_batch()
     pstep = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch"), axis_name="batch")
-    pstate = jaxamp.replicate(state)
+    pstate = jaxamp.parallel.replicate(state)
     jstate, jstep, batch_sh = jit_step(state, mesh_of(), "zero1")
     single = state
     sstep = jax.jit(jaxamp.make_train_step(loss_fn, accum_steps=N))
     for _ in range(4):
-        pstate, pm = pstep(pstate, jaxamp.shard_batch(batch))
-        jstate, jm = jstep(jstate, jaxamp.put_sharded(batch, batch_sh))
+        pstate, pm = pstep(pstate, jaxamp.parallel.shard_batch(batch))
+        jstate, jm = jstep(jstate, jaxamp.parallel.put_sharded(batch, batch_sh))
         single, sm = sstep(single, batch)
         assert float(pm["loss"][0]) == float(jm["loss"])
-    pstate = jaxamp.unreplicate(pstate)
+    pstate = jaxamp.parallel.unreplicate(pstate)
     assert_tree_bitwise_equal(jax.device_get(pstate.params), jax.device_get(jstate.params))
     assert_tree_bitwise_equal(master_of(pstate), master_of(jstate))
     # One device taking the same 8 micro-batches, summed in fp32: the same gradients (the
@@ -351,21 +355,22 @@ def test_model_state_rng_aux_and_accumulation_under_a_data_parallel_jit_equal_pm
                        rng=jax.random.key(3))
     pstep = jax.pmap(jaxamp.make_train_step(bn_loss, axis_name="batch", **flags),
                      axis_name="batch")
-    pstate = jaxamp.replicate(state)
+    pstate = jaxamp.parallel.replicate(state)
     mesh = mesh_of()
-    sh = jaxamp.state_sharding(state, mesh, params="sharded")
+    sh = jaxamp.parallel.state_sharding(state, mesh, params="sharded")
     jstep = jax.jit(jaxamp.make_train_step(bn_loss, **flags))
     jstate = jax.device_put(state, sh)
     for i in range(3):
         batch = make_batch(seed=i)
-        pstate, pm = pstep(pstate, jaxamp.shard_batch(batch))
-        jstate, jm = jstep(jstate, jaxamp.put_sharded(batch, jaxamp.batch_sharding(mesh)))
+        pstate, pm = pstep(pstate, jaxamp.parallel.shard_batch(batch))
+        jstate, jm = jstep(jstate, jaxamp.parallel.put_sharded(
+            batch, jaxamp.parallel.batch_sharding(mesh)))
     # Aux: one entry per micro-batch of each device (device-major), as pmap gives them.
     assert jm["aux"]["mean_x"].shape == (N * 2,)
     assert jm["aux"]["pred"].shape == (N * 2, BATCH // N // 2)
     np.testing.assert_array_equal(np.asarray(pm["aux"]["mean_x"]).reshape(-1),
                                   np.asarray(jm["aux"]["mean_x"]))
-    pstate = jaxamp.unreplicate(pstate)
+    pstate = jaxamp.parallel.unreplicate(pstate)
     assert_tree_bitwise_equal(jax.device_get(pstate.model_state),
                               jax.device_get(jstate.model_state))
     # Integer leaves are not averaged: 2 micro-batches per applied step (skips discard it).
@@ -379,15 +384,15 @@ def test_a_two_axis_mesh_reduces_over_the_data_axis():
     state = make_state("mixed_bfloat16")
     batch = make_batch()
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    sh = jaxamp.state_sharding(state, mesh, axis="data", params="sharded")
+    sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
     batch_sh = NamedSharding(mesh, P("data"))
     step = jax.jit(jaxamp.make_train_step(loss_fn, data_axis="data"))
     two = jax.device_put(state, sh)
     mesh4 = mesh_of(4)
     one, step4, batch_sh4 = jit_step(state, mesh4, "zero3")
     for _ in range(3):
-        two, _ = step(two, jaxamp.put_sharded(batch, batch_sh))
-        one, _ = step4(one, jaxamp.put_sharded(batch, batch_sh4))
+        two, _ = step(two, jaxamp.parallel.put_sharded(batch, batch_sh))
+        one, _ = step4(one, jaxamp.parallel.put_sharded(batch, batch_sh4))
     assert two.opt_state.master_params["l2"]["kernel"].sharding.is_equivalent_to(
         NamedSharding(mesh, P("data")), 2)
     for a, b in zip(jax.tree.leaves(master_of(two)), jax.tree.leaves(master_of(one)),
@@ -397,12 +402,13 @@ def test_a_two_axis_mesh_reduces_over_the_data_axis():
     # reduces, in bf16, and a warning names the fix.
     auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     args = (jax.device_put(state, NamedSharding(auto, P())),
-            jaxamp.put_sharded(batch, NamedSharding(auto, P("data"))))
+            jaxamp.parallel.put_sharded(batch, NamedSharding(auto, P("data"))))
     with pytest.warns(UserWarning, match=r"no axis named 'batch'.*data_axis='data'"):
         jax.jit(jaxamp.make_train_step(loss_fn))(*args)
     assert not collectives(jaxamp.make_train_step(loss_fn, data_axis=None), *args)
     # On Explicit axes the batch's type names the axis: no data_axis needed.
-    found = collectives(jaxamp.make_train_step(loss_fn), two, jaxamp.put_sharded(batch, batch_sh))
+    found = collectives(jaxamp.make_train_step(loss_fn), two,
+                        jaxamp.parallel.put_sharded(batch, batch_sh))
     assert found and {d for name, d, _ in found if name != "all_gather"} == {jnp.dtype(F32)}
 
 
@@ -423,7 +429,7 @@ def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
     mp = jaxamp.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
         master_params=on_model_axis(mp.master_params)))
-    sh = jaxamp.state_sharding(state, mesh, axis="data", params="sharded")
+    sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
     assert sh.opt_state.master_params["l1"]["kernel"].spec == P("data", "model")
     assert sh.params["l2"]["kernel"].spec == P("model", "data")
     batch_sh = NamedSharding(mesh, P("data"))
@@ -434,8 +440,8 @@ def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
                                      mesh_of(4), "zero3")
     start = master_of(one)
     for i in range(3):
-        two, _ = step(two, jaxamp.put_sharded(make_batch(seed=i), batch_sh))
-        one, _ = step4(one, jaxamp.put_sharded(make_batch(seed=i), batch_sh4))
+        two, _ = step(two, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
+        one, _ = step4(one, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh4))
     assert two.opt_state.master_params["l1"]["kernel"].sharding.spec == P("data", "model")
     # XLA may split the model's matmuls over 'model' too (from jax 0.11 it does): bf16
     # partial sums, so not the bits of data parallelism. What three steps moved each leaf
@@ -470,21 +476,21 @@ def test_tensor_parallel_on_explicit_axes_reduce_scatters_each_block():
     mp = jaxamp.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
         master_params=on_model_axis(mp.master_params)))
-    sh = jaxamp.state_sharding(state, mesh, axis="data", params="sharded")
+    sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
     assert sh.opt_state.master_params["l1"]["kernel"].spec == P("data", "model")
     batch_sh = NamedSharding(mesh, P("data"))
     step = jax.jit(jaxamp.make_train_step(tp_loss, data_axis="data"))
     two = jax.device_put(state, sh)
     one, step4, batch_sh4 = jit_step(make_state("mixed_bfloat16"), mesh_of(4), "zero3")
     for i in range(3):
-        two, _ = step(two, jaxamp.put_sharded(make_batch(seed=i), batch_sh))
-        one, _ = step4(one, jaxamp.put_sharded(make_batch(seed=i), batch_sh4))
+        two, _ = step(two, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
+        one, _ = step4(one, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh4))
     assert two.opt_state.master_params["l1"]["kernel"].sharding.spec == P("data", "model")
     for a, b in zip(jax.tree.leaves(master_of(two)), jax.tree.leaves(master_of(one)),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     found = collectives(jaxamp.make_train_step(tp_loss, data_axis="data"), two,
-                        jaxamp.put_sharded(make_batch(), batch_sh))
+                        jaxamp.parallel.put_sharded(make_batch(), batch_sh))
     assert {d for name, d, _ in found if name == "reduce_scatter"} == {jnp.dtype(F32)}
 
 
@@ -493,11 +499,11 @@ def test_the_mesh_can_come_from_set_mesh_with_a_host_batch():
     mesh = mesh_of()
     step = jax.jit(jaxamp.make_train_step(loss_fn))
     with jax.set_mesh(mesh):
-        placed = jax.device_put(state, jaxamp.state_sharding(state, mesh))
+        placed = jax.device_put(state, jaxamp.parallel.state_sharding(state, mesh))
         placed, m = step(placed, make_batch())
     assert m["loss"].shape == ()
     ref, jstep, batch_sh = jit_step(state, mesh, "zero1")
-    ref, _ = jstep(ref, jaxamp.put_sharded(make_batch(), batch_sh))
+    ref, _ = jstep(ref, jaxamp.parallel.put_sharded(make_batch(), batch_sh))
     assert_tree_bitwise_equal(master_of(placed), master_of(ref))
 
 
@@ -519,13 +525,13 @@ def test_a_sharded_checkpoint_restores_onto_4_and_1_devices_and_training_continu
     template = make_state(rng=jax.random.key(1))
     state, step, batch_sh = jit_step(template, mesh_of(), "zero3")
     for i in range(4):
-        state, _ = step(state, jaxamp.put_sharded(make_batch(seed=i), batch_sh))
+        state, _ = step(state, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", state)
     saved = host_leaves(state)
     straight = state
     for i in range(4, 8):
-        straight, _ = step(straight, jaxamp.put_sharded(make_batch(seed=i), batch_sh))
+        straight, _ = step(straight, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
 
     for n in (8, 4, 1):
         restored, mesh = restored_onto(tmp_path / "ckpt", template, n)
@@ -534,7 +540,8 @@ def test_a_sharded_checkpoint_restores_onto_4_and_1_devices_and_training_continu
         # n devices x accum_steps 8/n take the same 8 micro-batches: the same training.
         state_n, step_n, batch_sh_n = jit_step(template, mesh, "zero3", accum_steps=N // n)
         for i in range(4, 8):
-            restored, _ = step_n(restored, jaxamp.put_sharded(make_batch(seed=i), batch_sh_n))
+            restored, _ = step_n(restored,
+                                 jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh_n))
         if n == N:   # resumed on the same layout: bit for bit
             assert_tree_bitwise_equal(host_leaves(restored), host_leaves(straight))
         for a, b in zip(jax.tree.leaves(master_of(restored)),
@@ -561,15 +568,16 @@ def test_bad_layouts_give_errors_that_name_the_value_and_the_fix():
     # A batch that does not split over the 8 devices.
     with pytest.raises(ValueError, match=r"shape \(12,\).*the 8 devices of the data axis "
                                          r"'batch'; use a batch size that is a multiple of 8"):
-        step(placed, jaxamp.put_sharded(make_batch(n=12), NamedSharding(mesh, P())))
+        step(placed, jaxamp.parallel.put_sharded(make_batch(n=12), NamedSharding(mesh, P())))
     accum = jax.jit(jaxamp.make_train_step(loss_fn, accum_steps=4))
     with pytest.raises(ValueError, match=r"'batch' x accum_steps 4 = 32.*multiple of 32"):
-        accum(placed, jaxamp.put_sharded(make_batch(n=16), batch_sh))
+        accum(placed, jaxamp.parallel.put_sharded(make_batch(n=16), batch_sh))
     # A state placed for another mesh.
     mesh4 = mesh_of(4)
     with pytest.raises(ValueError, match=r"state\.step lives on a mesh \{'batch': 8\} but the "
                                          r"step runs on the mesh \{'batch': 4\}.*state_sharding"):
-        step(placed, jaxamp.put_sharded(make_batch(), jaxamp.batch_sharding(mesh4)))
+        step(placed, jaxamp.parallel.put_sharded(make_batch(),
+                                                 jaxamp.parallel.batch_sharding(mesh4)))
     on_mesh4 = jaxamp.make_train_step(loss_fn, mesh=mesh4)
     with pytest.raises(ValueError, match=r"mesh \{'batch': 8\} but the step runs on the mesh "
                                          r"\{'batch': 4\}"):
@@ -584,7 +592,7 @@ def test_autocast_runs_inside_the_data_parallel_step():
     batch = make_batch()
     placed, _, batch_sh = jit_step(state, mesh_of(), "zero3")
     step = jaxamp.make_train_step(loss_fn, autocast=True)
-    sharded_batch = jaxamp.put_sharded(batch, batch_sh)
+    sharded_batch = jaxamp.parallel.put_sharded(batch, batch_sh)
     report = jaxamp.audit(step, placed, sharded_batch)
     # Every matmul of the model is bf16; the fp32 ones are the gradient norm's sums of squares
     # (a dot of each fp32-reduced gradient with itself).
@@ -596,5 +604,5 @@ def test_autocast_runs_inside_the_data_parallel_step():
     jstate, _ = jax.jit(step)(placed, sharded_batch)
     pstep = jax.pmap(jaxamp.make_train_step(loss_fn, autocast=True, axis_name="batch"),
                      axis_name="batch")
-    pstate, _ = pstep(jaxamp.replicate(state), jaxamp.shard_batch(batch))
-    assert_tree_bitwise_equal(master_of(jaxamp.unreplicate(pstate)), master_of(jstate))
+    pstate, _ = pstep(jaxamp.parallel.replicate(state), jaxamp.parallel.shard_batch(batch))
+    assert_tree_bitwise_equal(master_of(jaxamp.parallel.unreplicate(pstate)), master_of(jstate))

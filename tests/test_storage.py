@@ -1,5 +1,6 @@
 """A lighter training state: ``mixed_precision(..., master=..., moments_dtype=...)`` and the
-rounding functions behind it (:func:`jaxamp.stochastic_round`, :func:`jaxamp.kahan_split`)."""
+rounding functions behind it (:func:`jaxamp.rounding.stochastic_round`,
+:func:`jaxamp.rounding.kahan_split`)."""
 
 import flax.training.train_state
 import jax
@@ -19,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp._storage import nudge_ties
 from jaxamp.rounding import kahan_join
-from jaxamp.rounding import nudge_ties
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 MASTERS = jaxamp.MASTERS
@@ -50,7 +51,8 @@ def test_stochastic_round_picks_a_neighbour_and_is_exact_in_expectation(dtype):
                         [1.0 + 2.0**-10, -(1.0 + 2.0**-10), 3e-5, 6e-8]]).astype(np.float32)
     n = 20_000
     xs = jnp.broadcast_to(jnp.asarray(x), (n, x.size))
-    y = np.asarray(jaxamp.stochastic_round(xs, dtype, jax.random.key(1))).astype(np.float64)
+    y = np.asarray(jaxamp.rounding.stochastic_round(xs, dtype, jax.random.key(1)))
+    y = y.astype(np.float64)
     down = np.asarray(jnp.asarray(x).astype(dtype)).astype(np.float64)
     # Every draw is one of the two values of `dtype` that enclose x.
     lo, hi = np.minimum(y.min(0), down), np.maximum(y.max(0), down)
@@ -66,7 +68,8 @@ def test_stochastic_round_picks_a_neighbour_and_is_exact_in_expectation(dtype):
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
 def test_stochastic_round_keeps_representable_values_and_non_finite(dtype):
     x = jnp.asarray([0.0, -0.0, 1.0, -2.5, 1024.0, 2.0**-15, np.inf, -np.inf, np.nan], F32)
-    y = jaxamp.stochastic_round(jnp.tile(x, 100), dtype, jax.random.key(0)).reshape(100, -1)
+    y = jaxamp.rounding.stochastic_round(jnp.tile(x, 100), dtype, jax.random.key(0))
+    y = y.reshape(100, -1)
     expected = np.asarray(x.astype(dtype))
     for row in np.asarray(y):
         np.testing.assert_array_equal(bits(row[:-1]), bits(expected[:-1]))
@@ -75,12 +78,12 @@ def test_stochastic_round_keeps_representable_values_and_non_finite(dtype):
 
 def test_stochastic_round_is_reproducible_and_needs_a_half_dtype():
     x = jnp.linspace(0.1, 1.0, 1000)
-    a = jaxamp.stochastic_round(x, BF16, jax.random.key(3))
-    assert_tree_bitwise_equal(a, jaxamp.stochastic_round(x, BF16, jax.random.key(3)))
-    assert not np.array_equal(bits(a), bits(jaxamp.stochastic_round(x, BF16,
+    a = jaxamp.rounding.stochastic_round(x, BF16, jax.random.key(3))
+    assert_tree_bitwise_equal(a, jaxamp.rounding.stochastic_round(x, BF16, jax.random.key(3)))
+    assert not np.array_equal(bits(a), bits(jaxamp.rounding.stochastic_round(x, BF16,
                                                                      jax.random.key(4))))
     with pytest.raises(ValueError, match="bfloat16 or float16, got float32"):
-        jaxamp.stochastic_round(x, F32, jax.random.key(0))
+        jaxamp.rounding.stochastic_round(x, F32, jax.random.key(0))
 
 
 def test_kahan_split_of_bf16_is_lossless():
@@ -88,7 +91,7 @@ def test_kahan_split_of_bf16_is_lossless():
     raw = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
     x = raw.view(np.float32)
     x = np.concatenate([x[np.isfinite(x)], np.float32([0.0, -0.0, 1e-45, -1e-45, 3.3e38])])
-    high, low = jaxamp.kahan_split(jnp.asarray(x), BF16)
+    high, low = jaxamp.rounding.kahan_split(jnp.asarray(x), BF16)
     assert high.dtype == BF16 and low.dtype == jnp.uint16
     np.testing.assert_array_equal(bits(kahan_join(high, low)), bits(x))
     # high is the nearest bf16 (ties away from zero, which random words never hit here).
@@ -101,14 +104,14 @@ def test_kahan_split_of_ties_agrees_with_the_usual_cast_after_nudge_ties():
     # goes down; 1 + 3 * 2**-8 lies halfway between 1 + 2**-7 and 1 + 2**-6: it goes up.
     x = jnp.asarray([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8)], F32)
     nudged = nudge_ties(x, BF16)
-    high, low = jaxamp.kahan_split(nudged, BF16)
+    high, low = jaxamp.rounding.kahan_split(nudged, BF16)
     assert_tree_bitwise_equal(high, x.astype(BF16))
     assert np.max(np.abs(np.asarray(kahan_join(high, low)) - np.asarray(x))) <= 2.0**-23
 
 
 def test_kahan_split_of_f16_keeps_about_22_bits():
     x = jnp.asarray(np.random.default_rng(0).uniform(0.5, 2.0, 10_000), F32)
-    high, low = jaxamp.kahan_split(x, F16)
+    high, low = jaxamp.rounding.kahan_split(x, F16)
     assert high.dtype == low.dtype == F16
     err = np.abs(np.asarray(kahan_join(high, low)) - np.asarray(x)) / np.asarray(x)
     assert err.max() < 2.0**-21
@@ -329,15 +332,15 @@ def test_pmap_jit_sharded_state_and_accumulation_agree(master):
     runs = {}
     # pmap over 8 devices, replicated state
     pstep = jax.pmap(jaxamp.make_train_step(mse_loss, axis_name="d"), axis_name="d")
-    state = jaxamp.replicate(_state(master, "bfloat16"))
+    state = jaxamp.parallel.replicate(_state(master, "bfloat16"))
     for _ in range(3):
-        state, _ = pstep(state, jaxamp.shard_batch(batch))
-    runs["pmap"] = jaxamp.unreplicate(state)
+        state, _ = pstep(state, jaxamp.parallel.shard_batch(batch))
+    runs["pmap"] = jaxamp.parallel.unreplicate(state)
     # jit over a mesh of 8, replicated and ZeRO-3
     mesh = jax.make_mesh((n,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
     for params in ("replicated", "sharded"):
         state = _state(master, "bfloat16")
-        shardings = jaxamp.state_sharding(state, mesh, params=params, min_size=8)
+        shardings = jaxamp.parallel.state_sharding(state, mesh, params=params, min_size=8)
         state = jax.device_put(state, shardings)
         jstep = jax.jit(jaxamp.make_train_step(mse_loss), out_shardings=(shardings, None))
         placed = jax.device_put(batch, NamedSharding(mesh, P("batch")))

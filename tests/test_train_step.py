@@ -69,10 +69,10 @@ def mp_state(state):
 def run_pmap(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
     step = jax.pmap(jaxamp.make_train_step(loss_fn, axis_name="batch", **step_kwargs),
                     axis_name="batch")
-    rstate = jaxamp.replicate(state)
+    rstate = jaxamp.parallel.replicate(state)
     metrics = []
     for _ in range(steps):
-        rstate, m = step(rstate, jaxamp.shard_batch(batch))
+        rstate, m = step(rstate, jaxamp.parallel.shard_batch(batch))
         metrics.append(m)
     return rstate, metrics
 
@@ -80,7 +80,7 @@ def run_pmap(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
 def run_jit_sharded(state, batch, steps, loss_fn=mse_loss):
     step = jax.jit(jaxamp.make_train_step(loss_fn))
     state = jax.device_put(state, replicated_sharding())
-    sharded = jaxamp.put_sharded(batch)
+    sharded = jaxamp.parallel.put_sharded(batch)
     assert len(sharded["x"].sharding.device_set) == N_DEVICES
     metrics = []
     for _ in range(steps):
@@ -122,7 +122,7 @@ def test_pmap_sharded_jit_and_single_device_jit_agree(policy, master_tol, params
     j_state, j_metrics = run_jit(state, batch, steps)
 
     assert_replicas_identical(p_state)
-    p_state = jaxamp.unreplicate(p_state)
+    p_state = jaxamp.parallel.unreplicate(p_state)
     # pmap and the sharded jit reduce the same per-device gradients in fp32: bit for bit.
     assert_tree_bitwise_equal(jax.device_get(p_state.params), jax.device_get(s_state.params))
     assert_tree_bitwise_equal(jax.device_get(p_state.opt_state),
@@ -161,15 +161,15 @@ def test_inf_in_one_device_shard_skips_the_step_on_every_device():
     scale = jaxamp.DynamicLossScale(loss_scale=2.0**8)
     state = make_state("mixed_float16", inner=optax.adam(1e-2), loss_scale=scale)
     step = jax.pmap(jaxamp.make_train_step(mse_loss, axis_name="batch"), axis_name="batch")
-    rstate = jaxamp.replicate(state)
+    rstate = jaxamp.parallel.replicate(state)
     batch = make_batch()
 
-    rstate, m = step(rstate, jaxamp.shard_batch(batch))
+    rstate, m = step(rstate, jaxamp.parallel.shard_batch(batch))
     assert np.all(np.asarray(m["grads_finite"]))
     before = rstate
     # Example 5 sits on device 2 (two examples per device).
     bad = poisoned(batch, 5)
-    rstate, m = step(rstate, jaxamp.shard_batch(bad))
+    rstate, m = step(rstate, jaxamp.parallel.shard_batch(bad))
 
     assert np.asarray(m["grads_finite"]).shape == (N_DEVICES,)
     assert not np.any(np.asarray(m["grads_finite"]))
@@ -184,7 +184,7 @@ def test_inf_in_one_device_shard_skips_the_step_on_every_device():
     assert_replicas_identical(rstate)
 
     # The next clean step is applied again, on every device.
-    rstate, m = step(rstate, jaxamp.shard_batch(batch))
+    rstate, m = step(rstate, jaxamp.parallel.shard_batch(batch))
     assert np.all(np.asarray(m["grads_finite"]))
     np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N_DEVICES, 2.0**7))
     assert_replicas_identical(rstate)
@@ -312,7 +312,7 @@ def test_model_state_is_averaged_over_devices_under_pmap(sync):
     pstep = jax.pmap(jaxamp.make_train_step(stats_loss, has_aux=True, has_model_state=True,
                                             axis_name="batch", sync_model_state=sync),
                      axis_name="batch")
-    out, _ = pstep(jaxamp.replicate(state), jaxamp.shard_batch(batch))
+    out, _ = pstep(jaxamp.parallel.replicate(state), jaxamp.parallel.shard_batch(batch))
     means = np.asarray(out.model_state["mean"])
     assert means.shape == (N_DEVICES, 4)
     assert np.asarray(out.model_state["count"]).tolist() == [1] * N_DEVICES
@@ -418,7 +418,8 @@ def test_bfloat16_reduction_under_pmap_is_close_to_fp32():
     f32_state, _ = run_pmap(state, batch, 5)
     bf16_state, m = run_pmap(state, batch, 5, reduce_dtype=jnp.bfloat16)
     assert np.all(np.asarray(m[-1]["grads_finite"]))
-    f32_state, bf16_state = jaxamp.unreplicate(f32_state), jaxamp.unreplicate(bf16_state)
+    f32_state = jaxamp.parallel.unreplicate(f32_state)
+    bf16_state = jaxamp.parallel.unreplicate(bf16_state)
     assert_tree_allclose(bf16_state.master_params, f32_state.master_params, rtol=0, atol=2e-3)
     for leaf in jax.tree.leaves(bf16_state.master_params):
         assert leaf.dtype == F32

@@ -26,7 +26,7 @@ class CheckpointMismatch(ValueError):
 
 def _leaf_specs(tree: Any) -> dict[str, str]:
     """``{'params/head/kernel': 'float16[16, 10]', ...}`` for the array leaves of ``tree``."""
-    return {jaxamp.tree_path_str(path): f"{np.dtype(x.dtype).name}{list(x.shape)}"
+    return {jaxamp.gradients.tree_path_str(path): f"{np.dtype(x.dtype).name}{list(x.shape)}"
             for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
 
 

@@ -716,7 +716,7 @@ def prefetch(iterator: Iterable[Any], size: int = 2, *,
     """Runs ``iterator`` in a background thread that keeps ``size`` batches ready.
 
     Batches come out in the iterator's order. ``put`` is applied to each batch in the thread, e.g.
-    ``jax.device_put``, ``jaxamp.put_sharded``, or, with several processes,
+    ``jax.device_put``, ``jaxamp.parallel.put_sharded``, or, with several processes,
     ``lambda b: jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), b)``.
     An exception raised by the iterator or by ``put`` is raised by the ``next`` call that reaches
     it. `Prefetcher.state` gives the wrapped iterator's position after the batches taken so far.

@@ -343,16 +343,16 @@ def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
         mesh = jax.make_mesh((jax.device_count(),), ("batch",))
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         if config.zero:
-            shardings = jaxamp.state_sharding(state, mesh, params="sharded" if config.zero == 3
-                                              else "replicated")
+            shardings = jaxamp.parallel.state_sharding(
+                state, mesh, params="sharded" if config.zero == 3 else "replicated")
         else:
             shardings = jax.tree.map(lambda _: replicated, state)
-        sharding = jaxamp.batch_sharding(mesh)
+        sharding = jaxamp.parallel.batch_sharding(mesh)
         state = jax.device_put(state, shardings)
 
         def put(batch):
             return jax.make_array_from_process_local_data(sharding, batch) \
-                if jax.process_count() > 1 else jaxamp.put_sharded(batch, sharding)
+                if jax.process_count() > 1 else jaxamp.parallel.put_sharded(batch, sharding)
         step = jax.jit(step_fn, donate_argnums=0, in_shardings=(shardings, sharding),
                        out_shardings=(shardings, replicated))
         return step, state, put, (lambda s: s)
@@ -361,7 +361,8 @@ def _layout(config: Config, step_fn: Callable, state: jaxamp.TrainState):
             raise ValueError("parallel='pmap' runs on one host; use parallel='jit' with "
                              "jax.distributed for several processes")
         step = jax.pmap(step_fn, axis_name="batch", donate_argnums=0)
-        return step, jaxamp.replicate(state), jaxamp.shard_batch, jaxamp.unreplicate
+        return (step, jaxamp.parallel.replicate(state), jaxamp.parallel.shard_batch,
+                jaxamp.parallel.unreplicate)
     raise ValueError(f"unknown parallel {config.parallel!r}; expected none, pmap or jit")
 
 

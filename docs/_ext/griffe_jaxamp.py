@@ -4,7 +4,7 @@ The docstrings are written for ``help()`` and doctest: Sphinx roles (``:func:`au
 other objects, and doctest examples (``>>>`` lines) sit in the text. Before mkdocstrings renders
 them, this extension turns
 
-* each role into a cross-reference (``[`autocast`][jaxamp.autocasting.autocast]``), resolved
+* each role into a cross-reference (``[`autocast`][jaxamp._autocast.autocast]``), resolved
   from the docstring's own module, its class, then the public modules. A name that resolves to
   nothing stays a reference to itself, which the strict build reports as broken;
 * each run of doctest lines (and their expected output) into a fenced ``pycon`` block.

@@ -1,7 +1,7 @@
 """MkDocs hooks of the jaxamp site.
 
-* Before the build, :func:`api_problems` checks that every public name (of ``jaxamp``,
-  ``jaxamp.fp8`` and ``jaxamp.ops``, and every public member of a public class) has a docstring,
+* Before the build, :func:`api_problems` checks that every public name (of ``jaxamp`` and its
+  public subpackages, and every public member of a public class) has a docstring,
   and that each name has a ``::: name`` entry on a page of docs/api/. A problem fails the build.
 * The repository's own files become pages without copies: the notebooks (rendered by
   mkdocs-jupyter with their committed outputs), BENCHMARKS.md with its charts, and CHANGELOG.md.
@@ -21,18 +21,22 @@ from mkdocs.structure.files import File
 from mkdocs.structure.files import Files
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PUBLIC_MODULES = ("jaxamp", "jaxamp.fp8", "jaxamp.ops")
+PUBLIC_MODULES = ("jaxamp", "jaxamp.fp8", "jaxamp.gradients", "jaxamp.ops", "jaxamp.parallel",
+                  "jaxamp.rounding")
 # Repository files shown as pages: (source, page).
 _PAGES = {"BENCHMARKS.md": "benchmarks.md", "CHANGELOG.md": "changelog.md"}
 _LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
 
 
 def public_names() -> list[str]:
-    """The dotted name of everything the public modules export (their ``__all__``)."""
+    """The dotted name of everything the public modules export (their ``__all__``); a name
+    that ``jaxamp`` re-exports from a subpackage is documented once, at the top."""
+    top = importlib.import_module("jaxamp")
     names = []
     for module_name in PUBLIC_MODULES:
         module = importlib.import_module(module_name)
-        names += [f"{module_name}.{name}" for name in module.__all__]
+        names += [f"{module_name}.{name}" for name in module.__all__
+                  if module is top or name not in top.__all__]
     return names
 
 
@@ -76,11 +80,11 @@ def api_problems(docs_dir: pathlib.Path) -> list[str]:
     entries = set()
     for page in (docs_dir / "api").glob("*.md"):
         entries |= set(re.findall(r"^::: ([\w.]+)\s*$", page.read_text(), flags=re.M))
-    modules = {name for name in names if name.removeprefix("jaxamp.") in ("fp8", "ops")}
+    modules = set(_MODULE_PAGES)
     problems += [f"{name} has no '::: {name}' entry on a page of docs/api/"
                  for name in names if name not in entries and name not in modules]
     problems += [f"docs/api/ documents {entry}, which is not a public name"
-                 for entry in sorted(entries - set(names) - {"jaxamp.fp8", "jaxamp.ops"})]
+                 for entry in sorted(entries - set(names) - modules)]
     return problems
 
 
@@ -128,6 +132,11 @@ def _to_repository(match: re.Match, page_dir: pathlib.Path, files: Files, repo: 
     return f"{text}({repo}/{kind}/main/{source}{'#' + anchor if anchor else ''})"
 
 
+# The public subpackages' own pages of docs/api/.
+_MODULE_PAGES = {"jaxamp.fp8": "fp8.md", "jaxamp.gradients": "gradients.md", "jaxamp.ops": "ops.md",
+                 "jaxamp.parallel": "parallel.md", "jaxamp.rounding": "rounding.md"}
+
+
 def api_table() -> str:
     """A markdown table of every public name, linked to its entry, with its docstring's first
     sentence."""
@@ -138,8 +147,8 @@ def api_table() -> str:
         doc = target.docstring.value if target.docstring else ""
         first = re.split(r"(?<=\.)\s|\n\n", doc.strip(), maxsplit=1)[0].replace("\n", " ")
         first = re.sub(r":\w+:`~?([\w.]+)`", r"`\1`", first).replace("``", "`").replace("|", "\\|")
-        link = f"[`{name}`](fp8.md)" if name == "jaxamp.fp8" else (
-            f"[`{name}`](ops.md)" if name == "jaxamp.ops" else f"[`{name}`][{name}]")
+        page = _MODULE_PAGES.get(name)
+        link = f"[`{name}`]({page})" if page else f"[`{name}`][{name}]"
         rows.append(f"| {link} | {first} |")
     return "\n".join(rows)
 

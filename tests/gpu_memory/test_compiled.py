@@ -199,8 +199,8 @@ def test_the_zero3_state_on_eight_gpus():
     params = {"w": jnp.zeros((4096, 4096)), "b": jnp.zeros((4096,))}
     tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
     state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
-    shardings = jaxamp.state_sharding(state, mesh, params="sharded")
-    batch_sharding = jaxamp.batch_sharding(mesh)
+    shardings = jaxamp.parallel.state_sharding(state, mesh, params="sharded")
+    batch_sharding = jaxamp.parallel.batch_sharding(mesh)
     laid = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, shardings)
     x = jax.ShapeDtypeStruct((64, 4096), jnp.float32, sharding=batch_sharding)

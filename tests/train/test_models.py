@@ -250,10 +250,11 @@ def test_split_merge_round_trip():
     model, graphdef, state, _ = setup("resnet18_small", "float32")
     _, params, model_state = models.split(model)
     assert isinstance(params, dict) and isinstance(model_state, dict)
-    paths = {jaxamp.tree_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    paths = {jaxamp.gradients.tree_path_str(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     assert {"stem/kernel", "blocks/0/conv1/kernel", "blocks/1/downsample/norm/scale",
             "head/kernel", "head/bias"} <= paths
-    stats = {jaxamp.tree_path_str(p)
+    stats = {jaxamp.gradients.tree_path_str(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(model_state)[0]}
     assert "stem_norm/mean" in stats and "stem_norm/var" in stats
     assert not any(p.endswith(("/mean", "/var")) for p in paths)

@@ -22,9 +22,9 @@ from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import where
 from jaxamp._loss import split_outputs
+from jaxamp._master_weights import maybe_find_state
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
-from jaxamp.master_weights import maybe_find_state
 
 __all__ = ["OverflowEvent", "OverflowReport", "explain_overflow"]
 
@@ -69,8 +69,8 @@ class OverflowReport:
     """The first non-finite value of each layer: the forward pass's in execution order, then
     the backward pass's."""
     nonfinite_grads: list[str]
-    """The paths (as :func:`jaxamp.tree_path_str` writes them) of the params whose gradient
-    holds an inf or nan."""
+    """The paths (as :func:`jaxamp.gradients.tree_path_str` writes them) of the params whose
+    gradient holds an inf or nan."""
     loss: float
     """The step's unscaled loss (computed in fp32), as a python float."""
     loss_scale: float

@@ -24,30 +24,12 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxamp._tree import State
-from jaxamp._tree import floating_leaves
 from jaxamp._tree import map_floating
 from jaxamp._tree import static_field
 
-__all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale", "all_finite"]
+__all__ = ["NoOpLossScale", "StaticLossScale", "DynamicLossScale", "LossScale"]
 
 _F32_TINY = float(jnp.finfo(jnp.float32).tiny)
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """A scalar bool: True when every element of every floating leaf of ``tree`` is finite.
-
-    Non-floating leaves are ignored; an empty tree is finite.
-
-    >>> import jax.numpy as jnp
-    >>> bool(all_finite({"a": jnp.ones(3), "b": jnp.arange(2)}))
-    True
-    >>> bool(all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
-    False
-    """
-    leaves = floating_leaves(tree)
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
 def _to_f32_scalar(value: Any, name: str) -> Any:

@@ -54,6 +54,12 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxamp._loss import check_loss
+from jaxamp._loss_scale import DynamicLossScale
+from jaxamp._loss_scale import LossScale
+from jaxamp._loss_scale import NoOpLossScale
+from jaxamp._loss_scale import StaticLossScale
+from jaxamp._policy import Policy
+from jaxamp._policy import get_policy
 from jaxamp._storage import MASTERS
 from jaxamp._storage import Storage
 from jaxamp._storage import is_absent
@@ -66,12 +72,6 @@ from jaxamp._tree import select
 from jaxamp._tree import tree_path_str
 from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
-from jaxamp.loss_scale import DynamicLossScale
-from jaxamp.loss_scale import LossScale
-from jaxamp.loss_scale import NoOpLossScale
-from jaxamp.loss_scale import StaticLossScale
-from jaxamp.policy import Policy
-from jaxamp.policy import get_policy
 
 __all__ = [
     "MASTERS",
@@ -496,14 +496,14 @@ def mixed_precision(
         - ``"kahan"``: no master. The state holds a 2-byte compensation per param; the
           optimizer works on ``param + compensation`` in fp32, and the new value is split
           back into the param, rounded to the nearest, and what the rounding dropped
-          (:func:`jaxamp.kahan_split`). For bf16 params that is exactly the fp32 word's lower
-          16 bits (``uint16``), so the fp32 value is kept bit for bit and training follows
+          (:func:`jaxamp.rounding.kahan_split`). For bf16 params that is exactly the fp32 word's
+          lower 16 bits (``uint16``), so the fp32 value is kept bit for bit and training follows
           ``"float32"``'s. The one difference: a value exactly halfway between two bf16
           values (one in 2**16) moves by one fp32 ulp toward the one the cast picks, so that
           the compensation alone tells which way it was rounded. For fp16 params, the
           compensation is the fp16-rounded remainder (about 22 bits).
         - ``"stochastic"``: no master and no buffer. The new fp32 value is rounded to the
-          param's dtype stochastically (:func:`jaxamp.stochastic_round`), exact in
+          param's dtype stochastically (:func:`jaxamp.rounding.stochastic_round`), exact in
           expectation, with the state's ``rounding_key`` folded with the step and the leaf
           (the same bits on every device, reproducible on resume).
         - ``"none"``: no master; the new value is rounded to the nearest. An update below half

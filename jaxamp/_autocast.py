@@ -104,9 +104,9 @@ from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
 from jaxamp._jaxpr import scan_layout
 from jaxamp._jaxpr import while_layout
+from jaxamp._policy import get_policy
 from jaxamp._tree import is_floating_array
 from jaxamp.fp8 import fp8_dot_general
-from jaxamp.policy import get_policy
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
 

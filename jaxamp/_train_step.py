@@ -11,7 +11,7 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
    ``axis_name``, a ``pmean`` over the ``pmap``/``shard_map`` axis; under ``jax.jit`` with the
    batch on a mesh, each device's gradient is computed inside ``shard_map`` over the data axis
    and reduced with an explicit ``pmean`` (replicated optimizer state) or ``psum_scatter``
-   (sharded optimizer state, :func:`jaxamp.state_sharding`), never by XLA in bf16;
+   (sharded optimizer state, :func:`jaxamp.parallel.state_sharding`), never by XLA in bf16;
 5. let :func:`jaxamp.mixed_precision` unscale, check finiteness (after the reduction, so every
    device decides the same), update the master and adjust the scale;
 6. set the working params to their new values (the cast of the new master, or the rounded
@@ -42,27 +42,26 @@ from jax.typing import DTypeLike
 
 from jaxamp import _data_parallel
 from jaxamp import fp8
+from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import walk
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
+from jaxamp._master_weights import MixedPrecisionState
+from jaxamp._master_weights import find_state
+from jaxamp._master_weights import get_master_params
+from jaxamp._master_weights import maybe_find_state
+from jaxamp._master_weights import next_working_params
+from jaxamp._master_weights import storage_of
+from jaxamp._policy import Policy
+from jaxamp._policy import get_policy
 from jaxamp._tree import State
 from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import static_field
-from jaxamp.autocasting import autocast as _autocast
 from jaxamp.gradients import grad_stats
-from jaxamp.master_weights import MixedPrecisionState
-from jaxamp.master_weights import find_state
-from jaxamp.master_weights import get_master_params
-from jaxamp.master_weights import maybe_find_state
-from jaxamp.master_weights import next_working_params
-from jaxamp.master_weights import storage_of
-from jaxamp.parallel import check_mesh_axis
-from jaxamp.policy import Policy
-from jaxamp.policy import get_policy
 
 __all__ = ["TrainState", "make_train_step"]
 
@@ -205,7 +204,7 @@ def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
                         f"{mesh!r}; e.g. jax.make_mesh((jax.device_count(),), ('batch',))")
     if data_axis not in (None, _data_parallel.AUTO):
         if mesh is not None:
-            check_mesh_axis(mesh, data_axis, "data_axis")
+            _data_parallel.check_mesh_axis(mesh, data_axis, "data_axis")
         elif not (isinstance(data_axis, str) or (
                 isinstance(data_axis, tuple) and data_axis
                 and all(isinstance(a, str) for a in data_axis))):
@@ -262,8 +261,8 @@ def make_train_step(
       data_axis: the mesh axis (or tuple of axes) the batch is split over. Each device's
         gradient is computed inside ``jax.shard_map`` over it and averaged with an explicit
         collective in ``reduce_dtype``: a ``pmean``, or a ``psum_scatter`` onto the master's
-        shard under :func:`jaxamp.state_sharding`. The loss is averaged too, the model state
-        synchronised, the rng folded with the device index (as under ``pmap``), and each aux
+        shard under :func:`jaxamp.parallel.state_sharding`. The loss is averaged too, the model
+        state synchronised, the rng folded with the device index (as under ``pmap``), and each aux
         output gains a leading axis with one entry per device (per micro-batch with
         ``accum_steps``). ``"auto"`` (default): the axis the batch's type says it is split
         over (``Explicit`` mesh axes), else the axis named ``"batch"``; else the batch is

@@ -1,0 +1,76 @@
+"""The package's layout: what ``import jaxamp`` loads, which names each module may import from
+another, and the deprecated aliases of the names and modules that moved."""
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import warnings
+from types import ModuleType
+
+import pytest
+
+import jaxamp
+from jaxamp import _deprecated
+
+PACKAGE = pathlib.Path(jaxamp.__file__).parent
+
+
+def test_no_module_imports_a_name_its_source_does_not_export():
+    """Between the library's modules, a name imported from a public module must be in that
+    module's ``__all__`` (private modules aside: they are the library's own)."""
+    bad = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("jaxamp.")):
+                continue
+            if node.module.rsplit(".", 1)[-1].startswith("_"):
+                continue
+            exported = set(importlib.import_module(node.module).__all__)
+            bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names
+                    if a.name not in exported]
+    assert bad == []
+
+
+def test_every_library_module_but_the_public_subpackages_is_private():
+    public = sorted(p.stem for p in PACKAGE.glob("*.py")
+                    if not p.stem.startswith("_"))
+    assert public == ["fp8", "gradients", "ops", "parallel", "rounding"]
+    exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
+    assert exported_modules == set(public)
+
+
+def test_import_jaxamp_and_autocast_do_not_load_flax_nnx():
+    code = ("import sys, jax.numpy as jnp, jaxamp\n"
+            "jaxamp.autocast(lambda x: x @ x, 'mixed_bfloat16')(jnp.ones((2, 2)))\n"
+            "assert 'flax.nnx' not in sys.modules, 'flax.nnx loaded'\n"
+            "jaxamp.fp8.Linear\n"
+            "assert 'flax.nnx' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(_deprecated.MOVED_NAMES))
+def test_a_moved_name_still_works_with_a_warning(name):
+    new = _deprecated.MOVED_NAMES[name]
+    with pytest.warns(DeprecationWarning, match=f"jaxamp.{name} is deprecated.*use {new}"):
+        old = getattr(jaxamp, name)
+    assert old is getattr(importlib.import_module(new), name)
+    assert name not in jaxamp.__all__
+
+
+@pytest.mark.parametrize("old", sorted(_deprecated.MOVED_MODULES))
+def test_a_moved_module_still_imports_with_a_warning(old):
+    new = importlib.import_module(_deprecated.MOVED_MODULES[old])
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+        module = importlib.import_module(old)
+    assert module is new
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="no attribute 'mixed_precisoin'"):
+            jaxamp.mixed_precisoin  # noqa: B018
