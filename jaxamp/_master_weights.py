@@ -79,9 +79,13 @@ __all__ = [
     "find_state",
     "get_loss_scale",
     "get_master_params",
+    "maybe_find_state",
     "mixed_precision",
+    "next_working_params",
     "policy_of",
     "scale_loss",
+    "skip_or_apply",
+    "storage_of",
     "working_params",
 ]
 
@@ -248,7 +252,7 @@ def _resolve_skip(skip: str) -> str:
     return "cond" if skip == "auto" else skip
 
 
-def _skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, *operands):
+def skip_or_apply(skip: str, finite: jax.Array, apply, skip_fn, *operands):
     """``(master, compensation, inner_state, targets)`` of the applied step if ``finite``, else
     of the skip."""
     if skip == "cond":
@@ -337,7 +341,7 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # lets XLA update donated buffers in place and never runs the optimizer on a skipped step;
     # a select per leaf (skip="select") runs it always and keeps the old bits where the grads
     # are not finite.
-    master, comp, inner_state, targets = _skip_or_apply(
+    master, comp, inner_state, targets = skip_or_apply(
         _resolve_skip(skip), stats.finite,
         functools.partial(_apply, inner, extra_args, storage, moments_dtype == jnp.bfloat16,
                           state.loss_scale),

@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["Hook", "find", "hand", "recording", "register", "replace", "seen", "update"]
+__all__ = ["Hook", "find", "hand", "nothing_seen", "recording", "register", "replace", "seen",
+           "update"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Hook:
     """``(cotangent of the handed node, loss scale) -> what the step saw``."""
     update: Callable[[Any, jax.Array], Any]
     """``(node, seen) -> node`` after the step."""
+    nothing_seen: Callable[[Any], jax.Array]
+    """``node -> seen`` of a step where the node did not run (zeros): the start of the
+    maximum over micro-batches."""
     recording: Callable[[], contextlib.AbstractContextManager[list]]
     """A context that collects the nodes that ran while ``loss_fn`` was traced."""
     untracked: str
@@ -95,9 +99,15 @@ def update(nodes: list, seen_values: list) -> list:
     return [_hook(n).update(n, s) for n, s in zip(nodes, seen_values, strict=True)]
 
 
+def nothing_seen(nodes: list) -> list:
+    """What each node saw in a step where it did not run."""
+    return [_hook(n).nothing_seen(n) for n in nodes]
+
+
 def _hook(node: Any) -> Hook:
     hook = _hook_of(node)
-    assert hook is not None  # find() returned it
+    if hook is None:
+        raise TypeError(f"{type(node).__name__} is not a node any model-state hook handles")
     return hook
 
 

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
 from jaxamp import _data_parallel
-from jaxamp import fp8
+from jaxamp import _model_state
 from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import walk
@@ -53,6 +53,7 @@ from jaxamp._master_weights import find_state
 from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import maybe_find_state
 from jaxamp._master_weights import next_working_params
+from jaxamp._master_weights import skip_or_apply
 from jaxamp._master_weights import storage_of
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
@@ -61,6 +62,7 @@ from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import static_field
+from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
 
 __all__ = ["TrainState", "make_train_step"]
@@ -330,35 +332,42 @@ def _step(config: _StepConfig, state: TrainState, batch: Any):
     scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
     batch = state.policy.cast_to_compute(batch)
     rng = _step_rng(config, state)
+    # 1. The scaled gradients: of each micro-batch, accumulated, and (data-parallel under jit)
+    #    reduced inside shard_map.
     if dp is not None:
         _data_parallel.check_batch(dp, batch, config.accum_steps)
-        loss, grads, new_model_state, aux, seen = _sharded_gradients(config, dp, state, scale,
-                                                                     batch, rng)
+        loss, grads, new_model_state, aux, seen = _sharded_gradients(config, dp, state, mp,
+                                                                     scale, batch, rng)
     else:
         loss, grads, new_model_state, aux, seen = _gradients(
             config, state.policy, state.params, scale, state.model_state, batch, rng)
+    # 2. The reduction over the caller's pmap/shard_map axis.
     if config.axis_name is not None:
         loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
                                                               new_model_state)
         seen = [lax.pmax(a, config.axis_name) for a in seen]
-    if seen:  # the FP8 metadata: rolled here, kept as it was on a skipped step (by _update)
-        new_model_state = fp8.replace_fp8_states(new_model_state, [
-            fp8.update_fp8_state(s, a)
-            for s, a in zip(fp8.find_fp8_states(state.model_state), seen, strict=True)])
+    # 3. The model state's hooked nodes (FP8 metadata) updated from what the step saw; an
+    #    applied step keeps them, a skipped one drops them with the rest of the model state.
+    if seen:
+        nodes = _model_state.find(state.model_state)
+        new_model_state = _model_state.replace(new_model_state,
+                                               _model_state.update(nodes, seen))
+    # 4. The update.
     if dp is not None and dp.explicit:
-        new_state, metrics = _update_on_explicit_mesh(config, dp, state, grads, new_model_state)
+        new_state, metrics = _update_on_explicit_mesh(config, dp, state, mp, grads,
+                                                      new_model_state)
     else:
-        new_state, metrics = _update(config, state, grads, new_model_state)
+        new_state, metrics = _update(config, mp is not None, state, grads, new_model_state)
     metrics = {"loss": loss, "loss_scale": scale, **metrics}
     if config.has_aux:
         metrics["aux"] = aux
     return new_state, metrics
 
 
-def _update(config: _StepConfig, state: TrainState, grads, new_model_state,
+def _update(config: _StepConfig, mixed: bool, state: TrainState, grads, new_model_state,
             cast_sharding: Any = None):
-    """The optimizer's update; the new model state, kept only on an applied step."""
-    mixed = maybe_find_state(state.opt_state) is not None
+    """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`); the new model
+    state, kept only on an applied step."""
     if mixed and _pins_layout(config.pin_grad_layout):
         grads = row_major_grads(grads)
     new_state, metrics = _apply_update(state, grads, mixed, cast_sharding)
@@ -369,19 +378,19 @@ def _update(config: _StepConfig, state: TrainState, grads, new_model_state,
 
 
 def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParallel,
-                             state: TrainState, grads, new_model_state):
+                             state: TrainState, mp: MixedPrecisionState | None, grads,
+                             new_model_state):
     """:func:`_update` where the arrays' types carry their shardings. The optimizer's own code
     (norms, masks, any optax transform) runs with the mesh axes Auto, as under any ``jit``,
     and hands back the state's own shardings; the working params are cast on the master's
     shards and then gathered in their (compute) dtype."""
-    mp = maybe_find_state(state.opt_state)
     cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
                                  state.params if mp is None else storage_of(mp, state.params))
     replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
     # Declared: auto_axes is unannotated, and its inferred type includes the decorator
     # factory that ``auto_axes(out_sharding=...)`` (no function) returns.
     update: Callable[..., Any] = jax.sharding.auto_axes(
-        functools.partial(_update, config, cast_sharding=cast_sharding),
+        functools.partial(_update, config, mp is not None, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
     return update(state, grads, new_model_state)
 
@@ -392,20 +401,20 @@ def _has_half_params(policy: Policy, params: Any) -> bool:
 
 def _gradients(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
     """``(loss, gradients of loss * scale, new model state, aux, seen)`` of one device's batch,
-    ``seen`` the FP8 amax of each :class:`~jaxamp.fp8.Fp8State` in the model state."""
+    ``seen`` what each hooked node of the model state saw (an :class:`~jaxamp.fp8.Fp8State`'s
+    amax)."""
     if config.accum_steps == 1:
         return _micro_batch(config, policy, params, scale, model_state, batch, rng)
     return _accumulate(config, policy, params, scale, model_state, batch, rng)
 
 
 def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
-                       state: TrainState, scale, batch, rng):
+                       state: TrainState, mp: MixedPrecisionState | None, scale, batch, rng):
     """:func:`_gradients` of each device's shard of the batch under ``shard_map`` over the data
     axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
     optimizer state is sharded, else ``pmean``. ZeRO-3 params are all-gathered inside, in the
     compute dtype, and never differentiated through the gather (whose transpose would
     reduce-scatter in bf16)."""
-    mp = maybe_find_state(state.opt_state)
     storage = state.params if mp is None else storage_of(mp, state.params)
     param_specs = jax.tree.map(dp.spec_of, state.params)
     grad_specs = jax.tree.map(dp.spec_of, storage)
@@ -461,45 +470,36 @@ def _step_rng(config: _StepConfig, state: TrainState):
 def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
     """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch.
 
-    Each :class:`~jaxamp.fp8.Fp8State` in the model state is handed to ``loss_fn`` with its
-    gradient scale divided by the loss scale, and differentiated: the cotangent of its scale
-    is the amax its matmul saw (``seen``, the gradient's unscaled). The new model state holds
-    the states as they came in; the step rolls ``seen`` into them."""
+    Each hooked node of the model state (:mod:`jaxamp._model_state`: an
+    :class:`~jaxamp.fp8.Fp8State`) is handed to ``loss_fn`` as its hook makes it for this loss
+    scale, and differentiated: its cotangent tells what it saw (``seen``: an FP8 matmul's amax,
+    the gradient's unscaled). The new model state holds the nodes as they came in; the step
+    updates them from ``seen``."""
     loss_fn = _autocast(config.loss_fn, policy) if config.autocast else config.loss_fn
-    states = fp8.find_fp8_states(model_state) if config.has_model_state else []
+    nodes = _model_state.find(model_state) if config.has_model_state else []
 
     def scaled(params, handed):
         kwargs = {}
         if config.has_model_state:
-            kwargs["model_state"] = fp8.replace_fp8_states(model_state, handed)
+            kwargs["model_state"] = _model_state.replace(model_state, handed)
         if config.has_rng:
             kwargs["rng"] = rng
-        with fp8.recording_delayed_calls() as calls:
+        with _model_state.recording(tracked=bool(nodes)):
             out = loss_fn(params, batch, **kwargs)
-        if calls and not states:
-            raise ValueError(fp8.UNTRACKED_MESSAGE)
         loss, new_model_state, aux = split_outputs(out, config.has_aux, config.has_model_state)
-        if states:
-            new_model_state = _restore_fp8_states(new_model_state, states)
+        if nodes:
+            new_model_state = _model_state.replace(new_model_state, nodes,
+                                                   what="the model state loss_fn returned")
         loss = check_loss(loss)
         return loss * scale, (loss, new_model_state, aux)
 
-    handed = [fp8.with_loss_scale(s, scale) for s in states]
+    handed = _model_state.hand(nodes, scale)
     if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
         _warn_fp32_matmuls(lambda p: scaled(p, handed), params, policy)
     (_, (loss, new_model_state, aux)), (grads, cotangents) = jax.value_and_grad(
         scaled, argnums=(0, 1), has_aux=True)(params, handed)
-    seen = [fp8.seen_amax(c, scale) for c in cotangents]
+    seen = _model_state.seen(nodes, cotangents, scale)
     return loss, grads, new_model_state, aux, seen
-
-
-def _restore_fp8_states(new_model_state: Any, states: list) -> Any:
-    if len(fp8.find_fp8_states(new_model_state)) != len(states):
-        raise ValueError(
-            f"the model state holds {len(states)} jaxamp.fp8.Fp8State(s) but loss_fn returned "
-            f"a model state with {len(fp8.find_fp8_states(new_model_state))}; return the whole "
-            "model state, e.g. nnx.state(model, ...) with the same filters as nnx.split")
-    return fp8.replace_fp8_states(new_model_state, states)
 
 
 def _split_microbatches(batch: Any, k: int) -> Any:
@@ -532,10 +532,10 @@ def _accumulate(config: _StepConfig, policy: Policy, params, scale, model_state,
 
     # zeros_like keeps a param's type: varying over the data axis inside shard_map.
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
-    no_amax = [jnp.zeros_like(s.scale) for s in (
-        fp8.find_fp8_states(model_state) if config.has_model_state else [])]
+    nothing_seen = _model_state.nothing_seen(
+        _model_state.find(model_state) if config.has_model_state else [])
     (acc, seen, new_model_state), (losses, aux) = lax.scan(
-        body, (zeros, no_amax, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
+        body, (zeros, nothing_seen, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
     inv_k = jnp.float32(1.0 / k)
     return (jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux,
             seen)
@@ -557,27 +557,31 @@ def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):
 def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any = None):
     """The optimizer's update and the metrics it reports. With
     :func:`jaxamp.mixed_precision` the transform decides the skip; a plain optax transform is
-    skipped here on non-finite gradients, with the same metrics. ``cast_sharding``: where the
-    cast of the master to the working params runs (the master's shards)."""
+    skipped by the same ``skip_or_apply`` (a select), with the same metrics. ``cast_sharding``:
+    where the cast of the master to the working params runs (the master's shards)."""
     if mixed:
         updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
         mp = find_state(opt_state)
         params = next_working_params(mp, state.params, updates)
         if cast_sharding is not None:
             params = lax.with_sharding_constraint(params, cast_sharding)
-        metrics = {"grads_finite": mp.grads_finite, "skipped_steps": mp.skipped_steps,
-                   "grad_norm": mp.grad_norm, "nonfinite_leaves": mp.nonfinite_leaves,
-                   "first_nonfinite_leaf": mp.first_nonfinite_leaf,
-                   "skips_at_min_scale": mp.skips_at_min_scale, "stalled": mp.stalled}
+        stats = GradStats(mp.grads_finite, mp.grad_norm, mp.nonfinite_leaves,
+                          mp.first_nonfinite_leaf)
+        skipped, skips_at_min, stalled = mp.skipped_steps, mp.skips_at_min_scale, mp.stalled
     else:
         stats = grad_stats(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = select(stats.finite, optax.apply_updates(state.params, updates), state.params)
-        opt_state = select(stats.finite, opt_state, state.opt_state)
-        metrics = {"grads_finite": stats.finite, "skipped_steps": jnp.zeros((), jnp.int32),
-                   "grad_norm": stats.norm, "nonfinite_leaves": stats.nonfinite_leaves,
-                   "first_nonfinite_leaf": stats.first_nonfinite_leaf,
-                   "skips_at_min_scale": jnp.zeros((), jnp.int32), "stalled": jnp.array(False)}
+
+        def apply(params, opt_state):
+            updates, opt_state = state.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+        params, opt_state = skip_or_apply("select", stats.finite, apply,
+                                          lambda *kept: kept, state.params, state.opt_state)
+        skipped = skips_at_min = jnp.zeros((), jnp.int32)
+        stalled = jnp.array(False)
+    metrics = {"grads_finite": stats.finite, "skipped_steps": skipped, "grad_norm": stats.norm,
+               "nonfinite_leaves": stats.nonfinite_leaves,
+               "first_nonfinite_leaf": stats.first_nonfinite_leaf,
+               "skips_at_min_scale": skips_at_min, "stalled": stalled}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

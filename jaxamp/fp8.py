@@ -50,6 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
+from jaxamp import _model_state
 from jaxamp._tree import State
 from jaxamp._tree import static_field
 
@@ -545,6 +546,19 @@ def seen_amax(cotangent: Fp8State, loss_scale: ArrayLike) -> jax.Array:
     gradient's in unscaled units."""
     s = jnp.asarray(loss_scale, _F32)
     return cotangent.scale.at[..., 2].divide(s)
+
+
+# The train step differentiates and updates the Fp8States in its model state through this hook
+# (it names nothing of FP8 itself). The functions are looked up at each call: a test may patch
+# one of them.
+_model_state.register(_model_state.Hook(
+    is_node=lambda x: is_fp8_state(x),
+    hand=lambda state, loss_scale: with_loss_scale(state, loss_scale),
+    seen=lambda cotangent, loss_scale: seen_amax(cotangent, loss_scale),
+    update=lambda state, seen: update_fp8_state(state, seen),
+    nothing_seen=lambda state: jnp.zeros_like(state.scale),
+    recording=lambda: recording_delayed_calls(),
+    untracked=UNTRACKED_MESSAGE))
 
 
 # The NNX layers load flax.nnx, which ``import jaxamp`` and ``autocast`` do not need: they live
