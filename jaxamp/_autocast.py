@@ -98,8 +98,11 @@ from jax.extend import source_info_util
 
 from jaxamp import fp8
 from jaxamp import ops
+from jaxamp._jaxpr import CALLS
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import REMATS
 from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
 from jaxamp._jaxpr import scan_layout
@@ -159,9 +162,6 @@ def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
 
 _RULE_NAMES = ("compute", "float32", "promote", "original", "fp8")
 _FULL_PRECISION = "jaxamp_full_precision"
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr"}
-_REMAT = ("remat2", "checkpoint", "remat")
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,7 +473,7 @@ def _look_behind(ctx: _Context, level: _Level, members: list[int], region_vars: 
                 if i is None or i in member_set:
                     continue
                 eqn = level.eqns[i]
-                if (eqn.primitive.name in _INLINE or not _pure_elementwise_like(ctx, eqn, outer)
+                if (eqn.primitive.name in CALLS or not _pure_elementwise_like(ctx, eqn, outer)
                         or not all(c in member_set for c in level.consumers.get(v, ()))
                         or len(eqn.outvars) != 1
                         or not all(isinstance(u, Literal) or u in env or u in region_vars
@@ -542,8 +542,8 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
     a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
     if eqn.effects:
         return False
-    if eqn.primitive.name in _INLINE and _INLINE[eqn.primitive.name] in eqn.params:
-        body = eqn.params[_INLINE[eqn.primitive.name]]
+    body = _jaxpr_body(eqn, (CALLS,))
+    if body is not None:
         stack = nested_stack(eqn, outer)
         return all(_pure_elementwise_like(ctx, e, stack)
                    for e in getattr(body, "jaxpr", body).eqns)
@@ -635,8 +635,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             with (source_info_util.user_context(eqn.source_info.traceback,
                                                 name_stack=name_stack), eqn.ctx.manager):
                 ins = [_cast(read(v), jnp.float32) for v in eqn.invars]
-                if eqn.primitive.name in _INLINE:  # a jitted function: all of it in fp32
-                    outs = _body(inside, eqn.params[_INLINE[eqn.primitive.name]],
+                if eqn.primitive.name in CALLS:  # a jitted function: all of it in fp32
+                    outs = _body(inside, eqn.params[CALLS[eqn.primitive.name]],
                                  nested_stack(eqn, outer))(*ins)
                 else:
                     outs = _bind(eqn, ins, "float32", ctx)
@@ -674,15 +674,17 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = ctx.rule(eqn, stack)
-    if name in _INLINE and eqn.params.get("name") in ctx.attention and rule == "promote":
+    if name in CALLS and eqn.params.get("name") in ctx.attention and rule == "promote":
         fused = _fused_attention(ctx, eqn, invals, stack, const_in)
         if fused is not None:
             return fused
     if rule != "original":
-        if name in _INLINE and _INLINE[name] in eqn.params:
-            return _body(ctx, eqn.params[_INLINE[name]], stack, const_in)(*invals)
-        if name in _REMAT:
-            fn = _body(ctx, eqn.params["jaxpr"], stack)
+        call = _jaxpr_body(eqn, (CALLS,))
+        if call is not None:
+            return _body(ctx, call, stack, const_in)(*invals)
+        remat = _jaxpr_body(eqn, (REMATS,))
+        if remat is not None:
+            fn = _body(ctx, remat, stack)
             return jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                   policy=eqn.params.get("policy"))(*invals)
         if name == "custom_jvp_call":

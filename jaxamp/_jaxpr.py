@@ -19,8 +19,9 @@ import jax
 import jaxlib
 from jax.extend.core import Literal
 
-__all__ = ["MATMULS", "Literal", "environment", "evaluate", "is_backward", "nested_stack",
-           "scan_layout", "scope", "walk", "walk_levels", "where", "while_layout"]
+__all__ = ["CALLS", "CUSTOM_DERIVATIVES", "Literal", "MATMULS", "REMATS", "body", "environment",
+           "evaluate", "is_backward", "nested_stack", "scan_layout", "scope", "walk",
+           "walk_levels", "where", "while_layout"]
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 """The primitives that multiply matrices (``ragged_dot`` is JAX's name before
@@ -236,11 +237,26 @@ def _platform_branch(eqn: Any) -> Any:
     return getattr(branches[chosen], "jaxpr", branches[chosen])
 
 
-# Call-like primitives whose body :func:`evaluate` runs inline, so that the ops inside are seen.
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr"}
+# The higher-order primitives whose one body the interpreters (autocast's, the overflow
+# diagnosis's) enter, by kind, each with the param that holds the body. JAX's renames are kept
+# together here: a new JAX needs one line.
+CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+"""Calls: the body runs once, as it is."""
+REMATS = {"checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
+"""Rematerialisation: the body runs once and again in the backward pass."""
+CUSTOM_DERIVATIVES = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+                      "custom_vjp_call_jaxpr": "fun_jaxpr"}
+"""Custom derivatives: the primal body (the rule is the user's)."""
+
+
+def body(eqn: Any, kinds: tuple[dict, ...] = (CALLS, REMATS, CUSTOM_DERIVATIVES)) -> Any:
+    """The body of ``eqn`` when its primitive is one of ``kinds`` (a closed or open jaxpr),
+    else ``None``."""
+    for kind in kinds:
+        key = kind.get(eqn.primitive.name)
+        if key is not None and key in eqn.params:
+            return eqn.params[key]
+    return None
 
 
 def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[Any], Any]]:
@@ -261,12 +277,10 @@ def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str 
     env, read = environment(jaxpr, consts, args)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        key = _INLINE.get(eqn.primitive.name)
-        body = eqn.params.get(key) if key else None
-        if body is not None:
-            inner = getattr(body, "jaxpr", body)
-            outs = evaluate(inner, list(getattr(body, "consts", ())), invals, on_eqn,
-                            nested_stack(eqn, outer))
+        inner = body(eqn)
+        if inner is not None:
+            outs = evaluate(getattr(inner, "jaxpr", inner), list(getattr(inner, "consts", ())),
+                            invals, on_eqn, nested_stack(eqn, outer))
         else:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
