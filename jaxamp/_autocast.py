@@ -160,7 +160,6 @@ def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     return prim.name in _SAVED
 
 
-_RULE_NAMES = ("compute", "float32", "promote", "original", "fp8")
 _FULL_PRECISION = "jaxamp_full_precision"
 
 
@@ -263,10 +262,10 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         scopes_seen: dict = {}
 
         def evaluate(*arrays):
-            ctx = dataclasses.replace(context, upcasts={}, scopes_seen=scopes_seen,
-                                      attention=attention_calls,
-                                      cheap={id(a): a for a in arrays} if recomputed else None,
-                                      near={} if recomputed else None)
+            ctx = dataclasses.replace(context, call=_Call(
+                scopes_seen=scopes_seen, attention=attention_calls,
+                cheap={id(a): a for a in arrays} if recomputed else None,
+                near={} if recomputed else None))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.
@@ -285,9 +284,9 @@ def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:
         raise TypeError(f"rules must be a dict from primitive name to rule, got "
                         f"{type(rules).__name__} {rules!r}; for example {{'exp': 'compute'}}")
     for name, rule in rules.items():
-        if rule not in _RULE_NAMES:
+        if rule not in _RULES:
             raise ValueError(f"unknown autocast rule {rule!r} for primitive {name!r}; expected "
-                             f"one of {', '.join(_RULE_NAMES)}")
+                             f"one of {', '.join(_RULES)}")
         if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
             raise ValueError(f"rules keys are primitive names such as 'exp' or 'dot_general', "
                              f"got {name!r}")
@@ -313,40 +312,61 @@ def _check_scopes(scopes: Sequence[str]) -> tuple[str, ...]:
 # The interpreter
 # --------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class _Call:
+    """What one call of the autocast function learns as it evaluates: its own, never shared
+    with another call."""
+
+    # id(fp32 value) -> (that value, the half-precision value it was upcast from).
+    upcasts: dict = dataclasses.field(default_factory=dict)
+    # The name scopes seen, and whether any op fell in ``fp32_scopes`` (shared by the calls of
+    # one trace, for the warning about scopes that matched nothing).
+    scopes_seen: dict = dataclasses.field(default_factory=dict)
+    # recompute=True: id -> value of the arguments and their casts and views. A matmul operand
+    # among them is not saved for backward: it is there already, or cheap.
+    cheap: dict | None = None
+    # recompute=True: id -> (value, depth) of the matmuls' outputs (depth 0) and of the values
+    # an elementwise chain of at most ``_NEAR_DEPTH`` ops computes from them (and from cheap
+    # values). A matmul operand among them is recomputed in the backward pass from the saved
+    # matmul outputs rather than saved beside them: a softmax's probabilities from the
+    # scores, a GELU from its matmul's output.
+    near: dict | None = None
+    # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
+    attention: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Context:
+    """The rules of an autocast function (fixed when it is built), the level being evaluated
+    (inside an fp32 region or not), and the state of the call it serves (:class:`_Call`)."""
+
     compute: Any
     rules: Mapping[str, str]
     fp32_scopes: tuple[str, ...]
     regions: bool = True
     all_float32: bool = False  # inside an fp32 region
-    # id(fp32 value) -> (that value, the half-precision value it was upcast from), per call.
-    upcasts: dict = dataclasses.field(default_factory=dict, compare=False)
-    # The name scopes seen, and whether any op fell in ``fp32_scopes``, per call.
-    scopes_seen: dict = dataclasses.field(default_factory=dict, compare=False)
-    # recompute=True: id -> value of the arguments and their casts and views, per call. A
-    # matmul operand among them is not saved for backward: it is there already, or cheap.
-    cheap: dict | None = dataclasses.field(default=None, compare=False)
-    # recompute=True: id -> (value, depth) of the matmuls' outputs (depth 0) and of the values
-    # an elementwise chain of at most ``_NEAR_DEPTH`` ops computes from them (and from cheap
-    # values), per call. A matmul operand among them is recomputed in the backward pass from
-    # the saved matmul outputs rather than saved beside them: a softmax's probabilities from
-    # the scores, a GELU from its matmul's output.
-    near: dict | None = dataclasses.field(default=None, compare=False)
-    # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
-    attention: dict = dataclasses.field(default_factory=dict, compare=False)
+    call: _Call = dataclasses.field(default_factory=_Call, compare=False)
 
-    def rule(self, eqn: Any, stack: str) -> str:
+    @property
+    def cheap(self) -> dict | None:
+        return self.call.cheap
+
+    @property
+    def near(self) -> dict | None:
+        return self.call.near
+
+    def rule(self, eqn: Any, stack: str) -> _Rule:
         if _FULL_PRECISION in stack:
-            return "original"
+            return _ORIGINAL_RULE
         if self.all_float32:
-            return "float32"
+            return _FLOAT32_RULE
         if self.fp32_scopes:
             matched = _in_scopes(stack, self.fp32_scopes)
-            self.scopes_seen[stack] = self.scopes_seen.get(stack, False) or matched
+            seen = self.call.scopes_seen
+            seen[stack] = seen.get(stack, False) or matched
             if matched:
-                return "float32!"  # every op, matmuls included
-        return self.rules.get(eqn.primitive.name, "promote")
+                return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
+        return _RULES[self.rules.get(eqn.primitive.name, "promote")]
 
 
 def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...], scopes_seen: dict) -> None:
@@ -423,7 +443,7 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
         if (eqn.primitive.name == "convert_element_type" and is_floating_array(invals[0])
                 and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
-            ctx.upcasts[id(outs[0])] = (outs[0], invals[0])
+            ctx.call.upcasts[id(outs[0])] = (outs[0], invals[0])
         if (ctx.cheap is not None and eqn.primitive.name in _VIEWS and invals
                 and id(invals[0]) in ctx.cheap):
             ctx.cheap[id(outs[0])] = outs[0]
@@ -552,7 +572,7 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
     dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
     if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
         return False
-    return ctx.rule(eqn, nested_stack(eqn, outer)) in ("float32", "promote")
+    return ctx.rule(eqn, nested_stack(eqn, outer)).joins_region
 
 
 def _jaxprs_in_params(params: Mapping[str, Any]):
@@ -572,7 +592,7 @@ def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
         return False
     if eqn.primitive.name == "convert_element_type":
         return jnp.dtype(eqn.outvars[0].aval.dtype) == jnp.float32
-    return ctx.rule(eqn, nested_stack(eqn, outer)) == "float32"
+    return ctx.rule(eqn, nested_stack(eqn, outer)).opens_region
 
 
 def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[int],
@@ -639,7 +659,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
                     outs = _body(inside, eqn.params[CALLS[eqn.primitive.name]],
                                  nested_stack(eqn, outer))(*ins)
                 else:
-                    outs = _bind(eqn, ins, "float32", ctx)
+                    outs = _FLOAT32_RULE.bind(ctx, eqn, ins)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 local[v] = x
         out = []
@@ -674,11 +694,11 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = ctx.rule(eqn, stack)
-    if name in CALLS and eqn.params.get("name") in ctx.attention and rule == "promote":
+    if name in CALLS and eqn.params.get("name") in ctx.call.attention and rule is _PROMOTE_RULE:
         fused = _fused_attention(ctx, eqn, invals, stack, const_in)
         if fused is not None:
             return fused
-    if rule != "original":
+    if rule.enters_bodies:
         call = _jaxpr_body(eqn, (CALLS,))
         if call is not None:
             return _body(ctx, call, stack, const_in)(*invals)
@@ -695,10 +715,8 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             return _while(ctx, eqn, invals, stack)
         if name == "cond":
             return _cond(ctx, eqn, invals, stack)
-    if rule == "fp8" and not all(is_floating_array(x) for x in invals):
-        rule = "compute"  # an integer matmul: nothing to quantize
-    cast_rule = "compute" if rule == "fp8" else rule
-    return _bind(eqn, _cast_inputs(ctx, eqn, invals, cast_rule, const_in), rule, ctx)
+    rule = rule.for_inputs(invals)
+    return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
 
 
 # --------------------------------------------------------------------------------------------
@@ -747,7 +765,7 @@ def _fused_attention(ctx: _Context, eqn: Any, invals: list, stack: str,
     is lowered for CUDA, the XLA implementation under the rules elsewhere. None where the
     fused kernel is not an option (fp32 or FP8 compute, a shape or dtype cuDNN does not
     take): the caller then inlines the call like any jit."""
-    options = dict(ctx.attention[eqn.params["name"]])
+    options = dict(ctx.call.attention[eqn.params["name"]])
     if not ctx.regions or ctx.rules.get("dot_general") == "fp8":
         return None
     has_bias, has_mask = options.pop("bias"), options.pop("mask")
@@ -776,38 +794,10 @@ def _downcast_source(ctx: _Context, x: Any) -> Any:
     """An fp32 value that ``fn`` upcast from the compute dtype goes back to that value rather
     than through a second cast: exact, and the matmul then saves the original (often a param,
     an argument) instead of a new copy for the backward pass."""
-    entry = ctx.upcasts.get(id(x))
+    entry = ctx.call.upcasts.get(id(x))
     if entry is not None and entry[0] is x and jnp.dtype(entry[1].dtype) == ctx.compute:
         return entry[1]
     return x
-
-
-def _cast_inputs(ctx: _Context, eqn: Any, invals: list, rule: str,
-                 const_in: Sequence[bool]) -> list:
-    if rule == "original":
-        return [_cast(x, v.aval.dtype) if is_floating_array(x) else x
-                for x, v in zip(invals, eqn.invars, strict=True)]
-    if rule == "compute":
-        outs = []
-        for x in invals:
-            source = _downcast_source(ctx, x)
-            out = _cast(source, ctx.compute)
-            if ctx.cheap is not None and (id(x) in ctx.cheap or id(source) in ctx.cheap):
-                ctx.cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
-            elif ctx.near is not None and id(x) in ctx.near and ctx.near[id(x)][0] is x:
-                ctx.near[id(out)] = (out, ctx.near[id(x)][1])
-            outs.append(out)
-        return outs
-    if rule in ("float32", "float32!"):
-        return [_cast(x, jnp.float32) for x in invals]
-    # promote: the widest floating input, weakly typed constants aside.
-    strong = [jnp.dtype(x.dtype) for x, v, c in zip(invals, eqn.invars, const_in, strict=True)
-              if is_floating_array(x) and not c and not getattr(v.aval, "weak_type", False)]
-    floats = strong or [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
-    if not floats:
-        return invals
-    target = functools.reduce(_wider, floats)
-    return [_cast(x, target) for x in invals]  # a no-op for inputs already in target
 
 
 def _wider(a: Any, b: Any) -> Any:
@@ -873,35 +863,150 @@ def _broadcast_operands(eqn: Any, invals: list) -> list:
     return out
 
 
-def _bind(eqn: Any, invals: list, rule: str, ctx: _Context) -> list:
-    if rule == "fp8":
+# --------------------------------------------------------------------------------------------
+# The rules: how an op's inputs are cast, and how it is bound
+# --------------------------------------------------------------------------------------------
+
+class _Rule:
+    """``"promote"``: the widest floating input, weakly typed constants aside (the rule of
+    every primitive not in ``DEFAULT_RULES``). The other rules change what differs."""
+
+    enters_bodies = True  # a jit, remat, scan, while or cond is evaluated under the rules
+    rewrites = True  # a half-precision broadcast's gradient is summed in fp32
+    opens_region = False  # on a half-precision input, it starts an fp32 region
+    joins_region = True  # an fp32 region grows over it
+
+    def for_inputs(self, invals: list) -> _Rule:
+        """The rule these inputs get (an FP8 matmul of integers is a plain one)."""
+        del invals
+        return self
+
+    def cast(self, ctx: _Context, eqn: Any, invals: list, const_in: Sequence[bool]) -> list:
+        del ctx
+        strong = [jnp.dtype(x.dtype) for x, v, c in zip(invals, eqn.invars, const_in,
+                                                        strict=True)
+                  if is_floating_array(x) and not c and not getattr(v.aval, "weak_type", False)]
+        floats = strong or [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
+        if not floats:
+            return invals
+        target = functools.reduce(_wider, floats)
+        return [_cast(x, target) for x in invals]  # a no-op for inputs already in target
+
+    def preferred(self, ctx: _Context, invals: list, current: Any) -> Any:
+        """A matmul's ``preferred_element_type`` (its accumulation and output dtype)."""
+        del ctx
+        if current is None:
+            return None
+        return functools.reduce(_wider, [jnp.dtype(x.dtype) for x in invals
+                                         if is_floating_array(x)])
+
+    def bind(self, ctx: _Context, eqn: Any, invals: list) -> list:
+        if self.rewrites and eqn.primitive.name in _ELEMENTWISE:
+            invals = _broadcast_operands(eqn, invals)
+        if self.rewrites and _is_half_broadcast(eqn, invals):
+            x = invals[0]
+            return [_broadcast(x, tuple(eqn.outvars[0].aval.shape),
+                               tuple(eqn.params["broadcast_dimensions"]),
+                               eqn.params.get("sharding"), (tuple(x.shape), jnp.dtype(x.dtype)))]
+        params = dict(eqn.params)
+        if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
+            params["preferred_element_type"] = self.preferred(ctx, invals,
+                                                              params["preferred_element_type"])
+        if ctx.cheap is not None and eqn.primitive.name in MATMULS:
+            invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
+                      and id(x) not in ctx.cheap and id(x) not in (ctx.near or {}) else x
+                      for x in invals]
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        outs = out if eqn.primitive.multiple_results else [out]
+        if eqn.primitive.name in MATMULS:
+            _set_near(ctx, outs, 0)  # saved (``_SAVED``)
+        return outs
+
+
+class _Compute(_Rule):
+    """``"compute"``: every floating input in the compute dtype (matmuls)."""
+
+    joins_region = False
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del eqn, const_in
+        outs = []
+        for x in invals:
+            source = _downcast_source(ctx, x)
+            out = _cast(source, ctx.compute)
+            if ctx.cheap is not None and (id(x) in ctx.cheap or id(source) in ctx.cheap):
+                ctx.cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
+            elif ctx.near is not None and id(x) in ctx.near and ctx.near[id(x)][0] is x:
+                ctx.near[id(out)] = (out, ctx.near[id(x)][1])
+            outs.append(out)
+        return outs
+
+    def preferred(self, ctx, invals, current):
+        del invals, current
+        return jnp.dtype(ctx.compute)
+
+
+class _Float32(_Rule):
+    """``"float32"``: every input in fp32 (precision-sensitive ops)."""
+
+    opens_region = True
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del ctx, eqn, const_in
+        return [_cast(x, jnp.float32) for x in invals]
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals
+        return current
+
+
+class _EverythingFloat32(_Float32):
+    """An op in one of ``fp32_scopes``: fp32 in and out, matmuls included (no region: it is
+    all fp32 already)."""
+
+    opens_region = joins_region = False
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals, current
+        return jnp.dtype(jnp.float32)
+
+
+class _Original(_Rule):
+    """``"original"``: the dtypes it was traced with (rules written for them)."""
+
+    enters_bodies = False
+    rewrites = False
+    joins_region = False
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del ctx, const_in
+        return [_cast(x, v.aval.dtype) if is_floating_array(x) else x
+                for x, v in zip(invals, eqn.invars, strict=True)]
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals
+        return current
+
+
+class _Fp8(_Compute):
+    """``"fp8"``: a ``dot_general`` in FP8 with current scaling, from compute-dtype inputs."""
+
+    def for_inputs(self, invals):
+        return self if all(is_floating_array(x) for x in invals) else _RULES["compute"]
+
+    def bind(self, ctx, eqn, invals):
         lhs, rhs = invals
         return [fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"],
                                 preferred_element_type=ctx.compute)]
-    if rule != "original" and eqn.primitive.name in _ELEMENTWISE:
-        invals = _broadcast_operands(eqn, invals)
-    if rule != "original" and _is_half_broadcast(eqn, invals):
-        x = invals[0]
-        return [_broadcast(x, tuple(eqn.outvars[0].aval.shape),
-                           tuple(eqn.params["broadcast_dimensions"]), eqn.params.get("sharding"),
-                           (tuple(x.shape), jnp.dtype(x.dtype)))]
-    params = dict(eqn.params)
-    if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
-        if rule == "compute":
-            params["preferred_element_type"] = jnp.dtype(ctx.compute)
-        elif rule == "float32!":
-            params["preferred_element_type"] = jnp.dtype(jnp.float32)
-        elif rule == "promote" and params["preferred_element_type"] is not None:
-            float_in = [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
-            params["preferred_element_type"] = functools.reduce(_wider, float_in)
-    if ctx.cheap is not None and eqn.primitive.name in MATMULS:
-        invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x) and id(x) not in ctx.cheap
-                  and id(x) not in (ctx.near or {}) else x for x in invals]
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-    outs = out if eqn.primitive.multiple_results else [out]
-    if eqn.primitive.name in MATMULS:
-        _set_near(ctx, outs, 0)  # saved (``_SAVED``)
-    return outs
+
+
+_RULES: dict[str, _Rule] = {"compute": _Compute(), "float32": _Float32(), "promote": _Rule(),
+                            "original": _Original(), "fp8": _Fp8()}
+"""The rule of each name a ``rules=`` entry may give."""
+_PROMOTE_RULE = _RULES["promote"]
+_ORIGINAL_RULE = _RULES["original"]
+_FLOAT32_RULE = _RULES["float32"]
+_EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
 
 
 # --------------------------------------------------------------------------------------------
