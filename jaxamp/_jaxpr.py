@@ -153,34 +153,36 @@ def while_layout(eqn: Any) -> tuple[int, int]:
     return len(cond.invars) - n_carry, len(body.invars) - n_carry
 
 
+# How many times a body runs per run of its equation, for the primitives that repeat theirs: a
+# scan its length, a pmap or shard_map once per device. A while loop's trip count is unknown at
+# trace time (once).
+_REPEATS: dict[str, Callable[[Any], float]] = {
+    "scan": lambda params: float(params.get("length", 1)),
+    "xla_pmap": lambda params: float(params.get("axis_size", 1)),
+    "pmap": lambda params: float(params.get("axis_size", 1)),
+    "shard_map": lambda params: float(getattr(params.get("mesh"), "size", 1) or 1),
+}
+
+
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
-    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``."""
+    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``: a custom derivative's
+    primal body only (its rule runs under the gradient), the branch of a platform-dependent
+    cond that runs here, every branch of another cond (a report shows the upper bound), and
+    every other nested jaxpr, repeated as :data:`_REPEATS` says."""
     name = eqn.primitive.name
-    params = eqn.params
-    mult = 1.0
-    if name == "scan":
-        mult = float(params.get("length", 1))
-    elif name in ("xla_pmap", "pmap"):
-        mult = float(params.get("axis_size", 1))
-    elif name == "shard_map":
-        mesh = params.get("mesh")
-        mult = float(getattr(mesh, "size", 1) or 1)
+    primal = body(eqn, (CUSTOM_DERIVATIVES,))
+    if primal is not None:
+        yield getattr(primal, "jaxpr", primal), 1.0
+        return
     if name == "cond":
         chosen = _platform_branch(eqn)
-        if chosen is not None:
-            yield chosen, 1.0
-            return
-        # Count each branch once; a report shows the upper bound over branches.
-        for branch in params.get("branches", ()):
+        branches = [chosen] if chosen is not None else eqn.params.get("branches", ())
+        for branch in branches:
             yield getattr(branch, "jaxpr", branch), 1.0
         return
-    if name == "custom_vjp_call" or name == "custom_vjp_call_jaxpr":
-        # The primal function only; the bwd rule runs under the gradient.
-        for key in ("call_jaxpr", "fun_jaxpr"):
-            if key in params:
-                yield getattr(params[key], "jaxpr", params[key]), 1.0
-                return
-    for value in params.values():
+    repeat = _REPEATS.get(name)
+    mult = repeat(eqn.params) if repeat is not None else 1.0
+    for value in eqn.params.values():
         yield from ((j, mult) for j in jaxprs_in(value))
 
 
