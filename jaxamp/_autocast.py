@@ -99,6 +99,7 @@ from jax.extend import source_info_util
 from jaxamp import fp8
 from jaxamp import ops
 from jaxamp._jaxpr import CALLS
+from jaxamp._jaxpr import CUSTOM_DERIVATIVES
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import REMATS
 from jaxamp._jaxpr import Literal
@@ -347,14 +348,6 @@ class _Context:
     all_float32: bool = False  # inside an fp32 region
     call: _Call = dataclasses.field(default_factory=_Call, compare=False)
 
-    @property
-    def cheap(self) -> dict | None:
-        return self.call.cheap
-
-    @property
-    def near(self) -> dict | None:
-        return self.call.near
-
     def rule(self, eqn: Any, stack: str) -> _Rule:
         if _FULL_PRECISION in stack:
             return _ORIGINAL_RULE
@@ -444,10 +437,10 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
                 and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
             ctx.call.upcasts[id(outs[0])] = (outs[0], invals[0])
-        if (ctx.cheap is not None and eqn.primitive.name in _VIEWS and invals
-                and id(invals[0]) in ctx.cheap):
-            ctx.cheap[id(outs[0])] = outs[0]
-        if ctx.near is not None and eqn.primitive.name not in MATMULS:
+        if (ctx.call.cheap is not None and eqn.primitive.name in _VIEWS and invals
+                and id(invals[0]) in ctx.call.cheap):
+            ctx.call.cheap[id(outs[0])] = outs[0]
+        if ctx.call.near is not None and eqn.primitive.name not in MATMULS:
             _mark_near(ctx, eqn, invals, outs, outer,
                        [isinstance(v, Literal) or v in constant for v in eqn.invars])
     for v, x in zip(eqn.outvars, outs, strict=True):
@@ -513,7 +506,7 @@ _NEAR_DEPTH = 16
 def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) -> int | None:
     """How many elementwise ops ``values`` are from saved matmul outputs and cheap values
     (the deepest of them); ``None`` where one of them is not near."""
-    near, cheap = ctx.near or {}, ctx.cheap or {}
+    near, cheap = ctx.call.near or {}, ctx.call.cheap or {}
     depth = 0
     for x, c in zip(values, const_in, strict=True):
         if c or not is_floating_array(x) or id(x) in cheap:
@@ -528,7 +521,7 @@ def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) 
 def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
                const_in: Sequence[bool]) -> None:
     """Records the outputs of an elementwise op on near values as near."""
-    if ctx.near is None or (eqn.primitive.name not in _VIEWS
+    if ctx.call.near is None or (eqn.primitive.name not in _VIEWS
                             and not _pure_elementwise_like(ctx, eqn, outer)):
         return
     depth = _near_depth(ctx, invals, const_in)
@@ -540,10 +533,10 @@ def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
 def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
     """Records the floating ``outs`` as ``depth`` elementwise ops from kept values, within
     ``_NEAR_DEPTH``."""
-    if ctx.near is not None and depth <= _NEAR_DEPTH:
+    if ctx.call.near is not None and depth <= _NEAR_DEPTH:
         for x in outs:
             if is_floating_array(x):
-                ctx.near[id(x)] = (x, depth)
+                ctx.call.near[id(x)] = (x, depth)
 
 
 def _feeds_only_matmuls(level: _Level, i: int) -> bool:
@@ -674,7 +667,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
     outs = jax.checkpoint(region)(*invals)
     for v, x in zip(exports, outs, strict=True):
         env[v] = x
-    if ctx.near is not None:  # recomputed from its inputs: near when they are
+    if ctx.call.near is not None:  # recomputed from its inputs: near when they are
         depth = _near_depth(ctx, invals, [v in constant for v in inputs])
         if depth is not None:
             _set_near(ctx, outs, depth + 1)
@@ -707,8 +700,8 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             fn = _body(ctx, remat, stack)
             return jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
                                   policy=eqn.params.get("policy"))(*invals)
-        if name == "custom_jvp_call":
-            return _body(ctx, eqn.params["call_jaxpr"], stack, const_in)(*invals)
+        if name == "custom_jvp_call":  # its primal body, under the rules
+            return _body(ctx, _jaxpr_body(eqn, (CUSTOM_DERIVATIVES,)), stack, const_in)(*invals)
         if name == "scan":
             return _scan(ctx, eqn, invals, stack)
         if name == "while":
@@ -912,9 +905,9 @@ class _Rule:
         if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
             params["preferred_element_type"] = self.preferred(ctx, invals,
                                                               params["preferred_element_type"])
-        if ctx.cheap is not None and eqn.primitive.name in MATMULS:
+        if ctx.call.cheap is not None and eqn.primitive.name in MATMULS:
             invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
-                      and id(x) not in ctx.cheap and id(x) not in (ctx.near or {}) else x
+                      and id(x) not in ctx.call.cheap and id(x) not in (ctx.call.near or {}) else x
                       for x in invals]
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = out if eqn.primitive.multiple_results else [out]
@@ -931,13 +924,14 @@ class _Compute(_Rule):
     def cast(self, ctx, eqn, invals, const_in):
         del eqn, const_in
         outs = []
+        cheap, near = ctx.call.cheap, ctx.call.near
         for x in invals:
             source = _downcast_source(ctx, x)
             out = _cast(source, ctx.compute)
-            if ctx.cheap is not None and (id(x) in ctx.cheap or id(source) in ctx.cheap):
-                ctx.cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
-            elif ctx.near is not None and id(x) in ctx.near and ctx.near[id(x)][0] is x:
-                ctx.near[id(out)] = (out, ctx.near[id(x)][1])
+            if cheap is not None and (id(x) in cheap or id(source) in cheap):
+                cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
+            elif near is not None and id(x) in near and near[id(x)][0] is x:
+                near[id(out)] = (out, near[id(x)][1])
             outs.append(out)
         return outs
 
@@ -1025,12 +1019,12 @@ def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
         invals[n_consts + n_carry:]
     body = _body(ctx, p["jaxpr"], stack)
 
-    cheap_xs = [ctx.cheap is not None and id(x) in ctx.cheap for x in xs]
+    cheap_xs = [ctx.call.cheap is not None and id(x) in ctx.call.cheap for x in xs]
 
     def step(carry, x):
         for xi, c in zip(x, cheap_xs, strict=True):
             if c:
-                ctx.cheap[id(xi)] = xi  # type: ignore[index]
+                ctx.call.cheap[id(xi)] = xi  # type: ignore[index]
         outs = body(*consts, *carry, *x)
         return _cast_like(outs[:n_carry], init), outs[n_carry:]
 

@@ -185,6 +185,11 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
 _MOMENTS_DTYPES = ("float32", "bfloat16")
 
 
+def _needs_key(storage: Storage, moments_dtype: Any) -> bool:
+    """Whether the transform rounds stochastically: a stochastic master or bf16 moments."""
+    return storage.needs_key or moments_dtype == jnp.bfloat16
+
+
 def _step_key(state: MixedPrecisionState) -> Any:
     """This step's rounding key: the state's key folded with the count of applied steps (so a
     skipped step leaves the key, and the next applied step draws what it would have)."""
@@ -302,8 +307,7 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
             f"{storage.option!r}) under policy {state.policy} does not expect: the state was "
             "built by another master= option or for other params. Build the state with the "
             "same transform that updates it (tx.init).")
-    needs_key = storage.needs_key or moments_dtype == jnp.bfloat16
-    if needs_key and state.rounding_key is None:
+    if _needs_key(storage, moments_dtype) and state.rounding_key is None:
         raise ValueError(
             f"mixed_precision(..., master={storage.option!r}, moments_dtype="
             f"{None if moments_dtype is None else jnp.dtype(moments_dtype).name!r})"
@@ -368,7 +372,6 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, mome
     values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
                           policy.cast_to_param(params))
     master, comp = storage.init(values)
-    needs_key = storage.needs_key or moments_dtype == jnp.bfloat16
     return MixedPrecisionState(
         master_params=master,
         inner_state=inner.init(values),
@@ -383,7 +386,7 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, mome
         skips_at_min_scale=jnp.zeros((), jnp.int32),
         stalled=jnp.array(False),
         compensation=comp,
-        rounding_key=_rounding_key(seed) if needs_key else None,
+        rounding_key=_rounding_key(seed) if _needs_key(storage, moments_dtype) else None,
         policy=policy,
         storage=storage,
     )

@@ -104,8 +104,6 @@ def _split_as_cast(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
 class _Own:
     """A floating param that works in ``param_dtype``: its own master, nothing beside it."""
 
-    name = "own"
-    held = "neither master nor compensation"
     keeps_master = False
     keeps_compensation = False
     needs_key = False
@@ -146,8 +144,6 @@ class _Master(_Own):
     """``master="float32"`` (and any param working in a non-half dtype): a copy in
     ``param_dtype``; the working param is its cast."""
 
-    name = "float32"
-    held = "an fp32 master"
     keeps_master = True
 
     def init(self, value, work_dtype):
@@ -183,8 +179,6 @@ class _Master(_Own):
 class _Kahan(_Own):
     """``master="kahan"``: a half-precision compensation; the value is ``param + comp``."""
 
-    name = "kahan"
-    held = "a compensation buffer"
     keeps_compensation = True
 
     def init(self, value, work_dtype):
@@ -208,7 +202,6 @@ class _Kahan(_Own):
 class _Stochastic(_Own):
     """``master="stochastic"``: nothing kept; the new value is rounded stochastically."""
 
-    name = "stochastic"
     needs_key = True
 
     def view(self, param, master, comp):
@@ -223,7 +216,6 @@ class _Stochastic(_Own):
 class _Nearest(_Own):
     """``master="none"``: nothing kept; the new value is rounded to the nearest."""
 
-    name = "none"
 
     def view(self, param, master, comp):
         del master, comp
@@ -234,7 +226,6 @@ class _Nearest(_Own):
 class _Other(_Own):
     """A leaf that is not floating: the optimizer sees it and never updates it."""
 
-    name = "other"
 
     def split(self, new, param, key):
         del new, param, key
@@ -313,6 +304,12 @@ class Storage:
         comp = jax.tree.unflatten(treedef, comps) if self.keeps_compensation else None
         return master, comp
 
+    def _assemble(self, params: Any, out: list) -> tuple[Any, Any, list]:
+        """``(master, compensation, targets)`` of per-leaf ``(master, comp, target)``."""
+        master, comp = self._trees(jax.tree.structure(params), [m for m, _, _ in out],
+                                   [c for _, c, _ in out])
+        return master, comp, [t for _, _, t in out]
+
     def init(self, values: Any) -> tuple[Any, Any]:
         """``(master, compensation)`` trees of the values in ``param_dtype`` (compensation
         ``None`` unless ``master="kahan"``)."""
@@ -338,19 +335,15 @@ class Storage:
         """``(master, compensation, targets)`` of the new values; a target is a leaf's new
         working param (in its dtype: the branch hands out 2 bytes per bf16 param, not a
         4-byte update), ``None`` where the master or nothing is the new value."""
-        treedef = jax.tree.structure(params)
         out = [k.split(n, p, jax.random.fold_in(key, i) if k.needs_key else None)
                for i, (k, n, p) in enumerate(zip(self.kinds, jax.tree.leaves(new_view),
                                                  jax.tree.leaves(params), strict=True))]
-        master, comp = self._trees(treedef, [m for m, _, _ in out], [c for _, c, _ in out])
-        return master, comp, [t for _, _, t in out]
+        return self._assemble(params, out)
 
     def skip(self, params: Any, master: Any, comp: Any) -> tuple[Any, Any, list]:
         """:meth:`split` of a skipped step: everything as it is."""
-        out = [k.skip(p, m, c) for k, p, m, c in self._zip(params, master, comp)]
-        master, comp = self._trees(jax.tree.structure(params), [m for m, _, _ in out],
-                                   [c for _, c, _ in out])
-        return master, comp, [t for _, _, t in out]
+        return self._assemble(params, [k.skip(p, m, c) for k, p, m, c in
+                                       self._zip(params, master, comp)])
 
     def updates(self, params: Any, master: Any, targets: list) -> Any:
         """Updates that land each working param on its new value: the exact difference to the

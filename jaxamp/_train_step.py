@@ -188,7 +188,8 @@ def _pins_layout(pin_grad_layout: bool | None) -> bool:
 
 
 def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
-                          axis_name: Any, mesh: Any, data_axis: Any) -> None:
+                          axis_name: Any, mesh: Any, data_axis: Any,
+                          pin_grad_layout: Any) -> None:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
                         f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
@@ -212,6 +213,9 @@ def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
                 and all(isinstance(a, str) for a in data_axis))):
             raise TypeError(f"data_axis must be 'auto', None, a mesh axis name or a tuple of "
                             f"names, got {data_axis!r}")
+    if pin_grad_layout is not None and not isinstance(pin_grad_layout, bool):
+        raise TypeError(f"pin_grad_layout must be True, False or None, got {pin_grad_layout!r}; "
+                        "None (the default) pins only on a single XLA:CPU device")
 
 
 def make_train_step(
@@ -307,10 +311,8 @@ def make_train_step(
     1.0 16384.0 True
     """
     reduce_dtype = jnp.dtype(reduce_dtype)
-    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name, mesh, data_axis)
-    if pin_grad_layout is not None and not isinstance(pin_grad_layout, bool):
-        raise TypeError(f"pin_grad_layout must be True, False or None, got {pin_grad_layout!r}; "
-                        "None (the default) pins only on a single XLA:CPU device")
+    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name, mesh, data_axis,
+                          pin_grad_layout)
     config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
                          reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast),
                          mesh, data_axis, pin_grad_layout)

@@ -142,7 +142,7 @@ def row_major_grads(grads: Any) -> Any:
 
 
 def static_field(default: Any = dataclasses.MISSING) -> Any:
-    """A field of a :func:`state_dataclass` that is treedef metadata, not a leaf."""
+    """A field of a :class:`State` that is treedef metadata, not a leaf."""
     return dataclasses.field(default=default, metadata={"static": True})
 
 

@@ -448,6 +448,14 @@ def delayed_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
     """``lax.dot_general`` in FP8 with the scales of ``state`` (the functional core of
     :class:`DotGeneral`). Differentiating with respect to ``state`` gives, at its ``scale``,
     the ``amax`` of the lhs, the rhs and the gradient: :func:`update_fp8_state` rolls them in.
+
+    >>> s = Fp8State.create(DelayedScaling(history_length=4))
+    >>> x, w, dims = jnp.full((2, 3), 2.0), jnp.full((3, 4), 0.5), (((1,), (0,)), ((), ()))
+    >>> round(float(delayed_dot_general(x, w, dims, s)[0, 0]), 4)
+    3.0
+    >>> seen = jax.grad(lambda s: delayed_dot_general(x, w, dims, s).sum())(s)
+    >>> seen.scale.tolist()  # the amax of the lhs, the rhs and the gradient
+    [2.0, 0.5, 1.0]
     """
     if not isinstance(state, Fp8State):
         raise TypeError(f"state must be a jaxamp.fp8.Fp8State, got {type(state).__name__}")
