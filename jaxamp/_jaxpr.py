@@ -18,10 +18,11 @@ from typing import Any
 import jax
 import jaxlib
 from jax.extend.core import Literal
+from jax.extend.core import jaxpr_as_fun
 
 __all__ = ["CALLS", "CUSTOM_DERIVATIVES", "Literal", "MATMULS", "REMATS", "body", "environment",
-           "evaluate", "is_backward", "nested_stack", "scan_layout", "scope", "walk",
-           "walk_levels", "where", "while_layout"]
+           "evaluate", "is_backward", "made_order", "nested_stack", "run_traced", "scan_layout",
+           "scope", "walk", "walk_levels", "where", "while_layout"]
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 """The primitives that multiply matrices (``ragged_dot`` is JAX's name before
@@ -291,3 +292,42 @@ def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str 
         for v, x in zip(eqn.outvars, outs, strict=True):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
+
+
+def made_order(jaxpr: Any) -> list[int]:
+    """The order in which ``jaxpr`` makes its outputs: a rank per output, equal ranks for
+    outputs made together. An output is made by its equation, and inside a call (a nested
+    ``jit``, a remat) by the equation of the body that makes it; an input or a literal comes
+    first. Equations run in the jaxpr's order, so the ranks follow a backward pass layer by
+    layer even where the whole backward is one jitted call."""
+    positions = _positions(jaxpr)
+    ranks = {p: r for r, p in enumerate(sorted(set(positions)))}
+    return [ranks[p] for p in positions]
+
+
+def _positions(jaxpr: Any) -> list[tuple[int, ...]]:
+    made = {v: (i, k) for i, eqn in enumerate(jaxpr.eqns) for k, v in enumerate(eqn.outvars)}
+    inner_positions: dict[int, list[tuple[int, ...]]] = {}
+
+    def position(v: Any) -> tuple[int, ...]:
+        if isinstance(v, Literal) or v not in made:
+            return ()
+        i, k = made[v]
+        inner = body(jaxpr.eqns[i], (CALLS, REMATS))
+        if inner is None:
+            return (i,)
+        if i not in inner_positions:
+            inner_positions[i] = _positions(getattr(inner, "jaxpr", inner))
+        return (i, *inner_positions[i][k])
+    return [position(v) for v in jaxpr.outvars]
+
+
+def run_traced(fn: Callable, *args: Any) -> tuple[Any, Any]:
+    """``(fn(*args), order)``: ``fn`` traced once into a jaxpr and run (inside the caller's
+    trace, as if called), and :func:`made_order` of its outputs, a tree of ints with the
+    outputs' structure."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    tree = jax.tree.structure(shape)
+    outputs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return (jax.tree.unflatten(tree, outputs),
+            jax.tree.unflatten(tree, made_order(closed.jaxpr)))

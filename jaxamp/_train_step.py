@@ -44,6 +44,7 @@ from jaxamp import _data_parallel
 from jaxamp import _model_state
 from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import run_traced
 from jaxamp._jaxpr import walk
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
@@ -58,6 +59,7 @@ from jaxamp._master_weights import storage_of
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
 from jaxamp._tree import State
+from jaxamp._tree import in_made_order
 from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
@@ -498,8 +500,11 @@ def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state
     handed = _model_state.hand(nodes, scale)
     if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
         _warn_fp32_matmuls(lambda p: scaled(p, handed), params, policy)
-    (_, (loss, new_model_state, aux)), (grads, cotangents) = jax.value_and_grad(
-        scaled, argnums=(0, 1), has_aux=True)(params, handed)
+    # Traced once and run: the jaxpr tells the order in which the backward pass makes each
+    # gradient, and the gradients are handed on in that order (see in_made_order).
+    ((_, (loss, new_model_state, aux)), (grads, cotangents)), made = run_traced(
+        jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, handed)
+    grads = in_made_order(grads, made[1][0])
     seen = _model_state.seen(nodes, cotangents, scale)
     return loss, grads, new_model_state, aux, seen
 

@@ -18,6 +18,7 @@ from typing import dataclass_transform
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.core import Tracer
 from jax.experimental.layout import Layout
 from jax.experimental.layout import with_layout_constraint
@@ -139,6 +140,29 @@ def row_major_grads(grads: Any) -> Any:
             return with_layout_constraint(g, Layout(tuple(range(g.ndim))))
         return g
     return jax.tree.map(pin, grads)
+
+
+def in_made_order(tree: Any, order: Any) -> Any:
+    """``tree`` with each leaf held back (an optimization barrier) until the leaf made before
+    it is made: ``order`` ranks the leaves (:func:`jaxamp._jaxpr.made_order`). The values are
+    unchanged.
+
+    The train step orders its gradients this way, in the order the backward pass makes them.
+    Every gradient goes to one finite check before the update may use any of them, and
+    without an order XLA:GPU's scheduler is free to run the whole chain of input gradients
+    first and every weight gradient at the end, keeping each layer's activations alive until
+    then: ResNet-50's bf16 step at batch 256 needed 12.40 GB on an H200 that way, 11.04 with
+    its gradients in order (the same step with no finite check: 11.00)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    ranks = jax.tree.leaves(order)
+    if len(ranks) != len(leaves):
+        raise ValueError(f"{len(ranks)} ranks for {len(leaves)} leaves")
+    before = None
+    for i in sorted(range(len(leaves)), key=lambda i: ranks[i]):
+        if before is not None:
+            leaves[i], _ = lax.optimization_barrier((leaves[i], before))
+        before = leaves[i]
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def static_field(default: Any = dataclasses.MISSING) -> Any:

@@ -761,3 +761,64 @@ def test_the_step_is_promotion_clean(policy, accum_steps):
     for _ in range(2):
         state, m = step(state, make_batch())
     assert bool(m["grads_finite"]) and np.isfinite(float(m["loss"]))
+
+
+# --------------------------------------------------------------------------------------------
+# The gradients in the order the backward pass makes them
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nested", [False, True], ids=["inline", "jitted_model"])
+def test_made_order_follows_the_backward_pass(nested):
+    """The last layer's gradients are made first, the first layer's last, also when the
+    whole backward pass is one nested jitted call."""
+    from jaxamp import _jaxpr
+
+    model = jax.jit(mlp) if nested else mlp
+
+    def loss(params, x):
+        return jnp.sum(model(params, x) ** 2)
+
+    params = init_params(n_out=3)
+    (value, grads), order = _jaxpr.run_traced(jax.value_and_grad(loss), params, make_batch()["x"])
+    assert_tree_bitwise_equal(grads, jax.grad(loss)(params, make_batch()["x"]))
+    assert float(value) == float(loss(params, make_batch()["x"]))
+    ranks = order[1]
+    # dense2's bias, then its kernel (the dot's transpose), then dense1's bias and kernel
+    assert (ranks["dense2"]["bias"] < ranks["dense2"]["kernel"] < ranks["dense1"]["bias"]
+            < ranks["dense1"]["kernel"]), ranks
+
+
+def _barrier_operand_shapes(lowered_text: str) -> list[list[str]]:
+    import re
+    return [re.findall(r"tensor<([0-9x]+)x(?:f32|bf16|f16)>", line.split(" : ")[-1])
+            for line in lowered_text.splitlines() if "stablehlo.optimization_barrier" in line]
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_the_step_hands_on_its_gradients_in_the_order_they_are_made(policy):
+    """Each gradient waits for the one made before it (an optimization barrier), so that
+    XLA's scheduler makes each weight gradient as the backward pass reaches its layer even
+    though the update waits for all of them (BENCHMARKS.md: ResNet-50 on an H200). The
+    values are the step's as before: the barriers are identities."""
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), policy)
+    state = jaxamp.TrainState.create(params=init_params(n_out=3), tx=tx)
+    batch = make_batch()
+    batch["y"] = np.repeat(batch["y"][:, None], 3, axis=1)
+
+    def loss_fn(params, batch):
+        h = jnp.tanh(batch["x"] @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+        pred = (h @ params["dense2"]["kernel"] + params["dense2"]["bias"]).astype(F32)
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    step = jaxamp.make_train_step(loss_fn, warn_fp32_matmuls=False)
+    text = jax.jit(step).lower(state, batch).as_text()
+    # b2 is made first; then W2 waits for b2, b1 for W2, W1 for b1
+    assert _barrier_operand_shapes(text) == [["8x3", "3"], ["8", "8x3"], ["4x8", "8"]]
+    new_state, m = jax.jit(step)(state, batch)
+    grads = jax.grad(lambda p: loss_fn(jaxamp.get_policy(policy).cast_to_compute(p),
+                                       jaxamp.get_policy(policy).cast_to_compute(batch)))(
+        state.params)
+    assert bool(m["grads_finite"])
+    norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(float(m["grad_norm"]), norm,
+                               rtol=1e-6 if policy == "float32" else 1e-2)
