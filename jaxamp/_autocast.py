@@ -99,17 +99,17 @@ from jax.extend import source_info_util
 from jaxamp import fp8
 from jaxamp import ops
 from jaxamp._jaxpr import CALLS
-from jaxamp._jaxpr import CUSTOM_DERIVATIVES
+from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
-from jaxamp._jaxpr import REMATS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import environment
 from jaxamp._jaxpr import nested_stack
-from jaxamp._jaxpr import scan_layout
-from jaxamp._jaxpr import while_layout
+from jaxamp._jaxpr import sub_jaxprs
 from jaxamp._policy import get_policy
+from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
+from jaxamp._tree import wider_float
 from jaxamp.fp8 import fp8_dot_general
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
@@ -385,10 +385,7 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _cast(x: Any, dtype: Any) -> Any:
-    if is_floating_array(x) and jnp.dtype(x.dtype) != jnp.dtype(dtype):
-        return lax.convert_element_type(x, dtype)
-    return x
+_cast = convert_floating
 
 
 def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
@@ -555,26 +552,17 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
     a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
     if eqn.effects:
         return False
-    body = _jaxpr_body(eqn, (CALLS,))
+    body = _jaxpr_body(eqn, ("call",))
     if body is not None:
         stack = nested_stack(eqn, outer)
         return all(_pure_elementwise_like(ctx, e, stack)
                    for e in getattr(body, "jaxpr", body).eqns)
-    if any(_jaxprs_in_params(eqn.params)) or eqn.primitive.name in MATMULS:
+    if next(sub_jaxprs(eqn), None) is not None or eqn.primitive.name in MATMULS:
         return False
     dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
     if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
         return False
     return ctx.rule(eqn, nested_stack(eqn, outer)).joins_region
-
-
-def _jaxprs_in_params(params: Mapping[str, Any]):
-    for value in params.values():
-        if hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
-            yield value
-        elif isinstance(value, tuple | list) and any(
-                hasattr(x, "eqns") or hasattr(getattr(x, "jaxpr", None), "eqns") for x in value):
-            yield value
 
 
 def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
@@ -648,9 +636,9 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             with (source_info_util.user_context(eqn.source_info.traceback,
                                                 name_stack=name_stack), eqn.ctx.manager):
                 ins = [_cast(read(v), jnp.float32) for v in eqn.invars]
-                if eqn.primitive.name in CALLS:  # a jitted function: all of it in fp32
-                    outs = _body(inside, eqn.params[CALLS[eqn.primitive.name]],
-                                 nested_stack(eqn, outer))(*ins)
+                call = _jaxpr_body(eqn, ("call",))
+                if call is not None:  # a jitted function: all of it in fp32
+                    outs = _body(inside, call, nested_stack(eqn, outer))(*ins)
                 else:
                     outs = _FLOAT32_RULE.bind(ctx, eqn, ins)
             for v, x in zip(eqn.outvars, outs, strict=True):
@@ -691,23 +679,10 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
         fused = _fused_attention(ctx, eqn, invals, stack, const_in)
         if fused is not None:
             return fused
-    if rule.enters_bodies:
-        call = _jaxpr_body(eqn, (CALLS,))
-        if call is not None:
-            return _body(ctx, call, stack, const_in)(*invals)
-        remat = _jaxpr_body(eqn, (REMATS,))
-        if remat is not None:
-            fn = _body(ctx, remat, stack)
-            return jax.checkpoint(fn, prevent_cse=eqn.params.get("prevent_cse", True),
-                                  policy=eqn.params.get("policy"))(*invals)
-        if name == "custom_jvp_call":  # its primal body, under the rules
-            return _body(ctx, _jaxpr_body(eqn, (CUSTOM_DERIVATIVES,)), stack, const_in)(*invals)
-        if name == "scan":
-            return _scan(ctx, eqn, invals, stack)
-        if name == "while":
-            return _while(ctx, eqn, invals, stack)
-        if name == "cond":
-            return _cond(ctx, eqn, invals, stack)
+    higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
+    if higher_order is not None and higher_order.run is not None:
+        return higher_order.run(eqn, invals, lambda body, const_args=None: _body(
+            ctx, body, stack, const_args), const_in, each_step=_each_scan_step(ctx))
     rule = rule.for_inputs(invals)
     return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
 
@@ -793,14 +768,6 @@ def _downcast_source(ctx: _Context, x: Any) -> Any:
     return x
 
 
-def _wider(a: Any, b: Any) -> Any:
-    if a == b:
-        return a
-    if jnp.finfo(a).bits != jnp.finfo(b).bits:
-        return a if jnp.finfo(a).bits > jnp.finfo(b).bits else b
-    return jnp.dtype(jnp.float32)  # bf16 and f16: neither holds the other
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _broadcast(x: jax.Array, shape: tuple, dims: tuple, sharding: Any, meta: tuple) -> jax.Array:
     """``broadcast_in_dim`` whose gradient, a sum over the broadcast axes, runs in fp32: the
@@ -882,7 +849,7 @@ class _Rule:
         floats = strong or [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
         if not floats:
             return invals
-        target = functools.reduce(_wider, floats)
+        target = functools.reduce(wider_float, floats)
         return [_cast(x, target) for x in invals]  # a no-op for inputs already in target
 
     def preferred(self, ctx: _Context, invals: list, current: Any) -> Any:
@@ -890,7 +857,7 @@ class _Rule:
         del ctx
         if current is None:
             return None
-        return functools.reduce(_wider, [jnp.dtype(x.dtype) for x in invals
+        return functools.reduce(wider_float, [jnp.dtype(x.dtype) for x in invals
                                          if is_floating_array(x)])
 
     def bind(self, ctx: _Context, eqn: Any, invals: list) -> list:
@@ -1004,54 +971,18 @@ _EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
 
 
 # --------------------------------------------------------------------------------------------
-# Control flow: the carry keeps its dtype, branches agree
+# Control flow (scan, while, cond: _jaxpr.HIGHER_ORDER runs them; the carry keeps its dtype,
+# branches agree)
 # --------------------------------------------------------------------------------------------
 
-def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
-    return [_cast(x, y.dtype) if is_floating_array(y) else x
-            for x, y in zip(values, like, strict=True)]
+def _each_scan_step(ctx: _Context) -> Callable[[list, list], None] | None:
+    """Under ``recompute=True``, a slice of a cheap stacked array is cheap too."""
+    cheap = ctx.call.cheap
+    if cheap is None:
+        return None
 
-
-def _scan(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
-    p = eqn.params
-    n_consts, n_carry = scan_layout(eqn)
-    consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], \
-        invals[n_consts + n_carry:]
-    body = _body(ctx, p["jaxpr"], stack)
-
-    cheap_xs = [ctx.call.cheap is not None and id(x) in ctx.call.cheap for x in xs]
-
-    def step(carry, x):
-        for xi, c in zip(x, cheap_xs, strict=True):
-            if c:
-                ctx.call.cheap[id(xi)] = xi  # type: ignore[index]
-        outs = body(*consts, *carry, *x)
-        return _cast_like(outs[:n_carry], init), outs[n_carry:]
-
-    length = p["length"]
-    carry, ys = lax.scan(step, list(init), list(xs), length=length, reverse=p["reverse"],
-                         unroll=p.get("unroll", 1))
-    return [*carry, *ys]
-
-
-def _while(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
-    p = eqn.params
-    nc, nb = while_layout(eqn)
-    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-    cond, body = _body(ctx, p["cond_jaxpr"], stack), _body(ctx, p["body_jaxpr"], stack)
-    return lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
-                          lambda c: _cast_like(body(*body_consts, *c), init), list(init))
-
-
-def _cond(ctx: _Context, eqn: Any, invals: list, stack: str) -> list:
-    index, operands = invals[0], invals[1:]
-    branches = [_body(ctx, b, stack) for b in eqn.params["branches"]]
-    shapes = [jax.eval_shape(b, *operands) for b in branches]
-    dtypes = [functools.reduce(_wider, [jnp.dtype(s[i].dtype) for s in shapes])
-              if is_floating_array(shapes[0][i]) else None for i in range(len(shapes[0]))]
-
-    def agreeing(branch):
-        return lambda *ops: [x if d is None else _cast(x, d)
-                             for x, d in zip(branch(*ops), dtypes, strict=True)]
-    return lax.switch(index, [agreeing(b) for b in branches], *operands)
-
+    def each_step(slices: list, stacked: list) -> None:
+        for x, whole in zip(slices, stacked, strict=True):
+            if id(whole) in cheap:
+                cheap[id(x)] = x
+    return each_step

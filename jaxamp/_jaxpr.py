@@ -8,11 +8,14 @@ the train step that asked for a warning.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 import sysconfig
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,9 +23,13 @@ import jaxlib
 from jax.extend.core import Literal
 from jax.extend.core import jaxpr_as_fun
 
-__all__ = ["CALLS", "CUSTOM_DERIVATIVES", "Literal", "MATMULS", "REMATS", "body", "environment",
-           "evaluate", "is_backward", "made_order", "nested_stack", "run_traced", "scan_layout",
-           "scope", "walk", "walk_levels", "where", "while_layout"]
+from jaxamp._tree import convert_floating
+from jaxamp._tree import is_floating_array
+from jaxamp._tree import wider_float
+
+__all__ = ["CALLS", "HIGHER_ORDER", "Enter", "HigherOrder", "Literal", "MATMULS", "body",
+           "environment", "evaluate", "is_backward", "made_order", "nested_stack", "run_traced",
+           "scan_layout", "scope", "sub_jaxprs", "walk", "walk_levels", "where", "while_layout"]
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 """The primitives that multiply matrices (``ragged_dot`` is JAX's name before
@@ -154,47 +161,28 @@ def while_layout(eqn: Any) -> tuple[int, int]:
     return len(cond.invars) - n_carry, len(body.invars) - n_carry
 
 
-# How many times a body runs per run of its equation, for the primitives that repeat theirs: a
-# scan its length, a pmap or shard_map once per device. A while loop's trip count is unknown at
-# trace time (once).
-_REPEATS: dict[str, Callable[[Any], float]] = {
-    "scan": lambda params: float(params.get("length", 1)),
-    "xla_pmap": lambda params: float(params.get("axis_size", 1)),
-    "pmap": lambda params: float(params.get("axis_size", 1)),
-    "shard_map": lambda params: float(getattr(params.get("mesh"), "size", 1) or 1),
-}
-
-
 def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
-    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``: a custom derivative's
-    primal body only (its rule runs under the gradient), the branch of a platform-dependent
-    cond that runs here, every branch of another cond (a report shows the upper bound), and
-    every other nested jaxpr, repeated as :data:`_REPEATS` says."""
-    name = eqn.primitive.name
-    primal = body(eqn, (CUSTOM_DERIVATIVES,))
-    if primal is not None:
-        yield getattr(primal, "jaxpr", primal), 1.0
+    """Yields ``(jaxpr, multiplicity)`` for each jaxpr nested in ``eqn``, as
+    :data:`HIGHER_ORDER` says (a custom derivative's primal body only, the branch of a
+    platform-dependent cond that runs here, a scan's body ``length`` times); for a
+    higher-order primitive it does not know, every nested jaxpr, once."""
+    known = HIGHER_ORDER.get(eqn.primitive.name)
+    if known is not None:
+        for sub, mult in known.bodies(eqn):
+            yield getattr(sub, "jaxpr", sub), mult
         return
-    if name == "cond":
-        chosen = _platform_branch(eqn)
-        branches = [chosen] if chosen is not None else eqn.params.get("branches", ())
-        for branch in branches:
-            yield getattr(branch, "jaxpr", branch), 1.0
-        return
-    repeat = _REPEATS.get(name)
-    mult = repeat(eqn.params) if repeat is not None else 1.0
     for value in eqn.params.values():
-        yield from ((j, mult) for j in jaxprs_in(value))
+        yield from ((j, 1.0) for j in _jaxprs_in(value))
 
 
-def jaxprs_in(value: Any) -> Iterator[Any]:
+def _jaxprs_in(value: Any) -> Iterator[Any]:
     if hasattr(value, "eqns"):
         yield value
     elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
         yield value.jaxpr
     elif isinstance(value, tuple | list):
         for item in value:
-            yield from jaxprs_in(item)
+            yield from _jaxprs_in(item)
 
 
 def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
@@ -240,26 +228,154 @@ def _platform_branch(eqn: Any) -> Any:
     return getattr(branches[chosen], "jaxpr", branches[chosen])
 
 
-# The higher-order primitives whose one body the interpreters (autocast's, the overflow
-# diagnosis's) enter, by kind, each with the param that holds the body. JAX's renames are kept
-# together here: a new JAX needs one line.
-CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-"""Calls: the body runs once, as it is."""
-REMATS = {"checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}
-"""Rematerialisation: the body runs once and again in the backward pass."""
-CUSTOM_DERIVATIVES = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-                      "custom_vjp_call_jaxpr": "fun_jaxpr"}
-"""Custom derivatives: the primal body (the rule is the user's)."""
+# --------------------------------------------------------------------------------------------
+# Higher-order primitives: registered once, for every interpreter and walker of the package
+# --------------------------------------------------------------------------------------------
+
+Enter = Callable[..., Callable[..., list]]
+"""An interpreter's way into a body: ``enter(body, const_args=None)`` is a function of the
+body's arguments that evaluates it (``const_args`` flags the arguments that are compile-time
+constants in the caller)."""
 
 
-def body(eqn: Any, kinds: tuple[dict, ...] = (CALLS, REMATS, CUSTOM_DERIVATIVES)) -> Any:
-    """The body of ``eqn`` when its primitive is one of ``kinds`` (a closed or open jaxpr),
-    else ``None``."""
-    for kind in kinds:
-        key = kind.get(eqn.primitive.name)
-        if key is not None and key in eqn.params:
-            return eqn.params[key]
-    return None
+@dataclasses.dataclass(frozen=True)
+class HigherOrder:
+    """One higher-order primitive, as every interpreter and walker of the package sees it.
+
+    - ``kind``: ``"call"`` (a nested ``jit``: the body runs once, as it is), ``"remat"`` (once,
+      and again in the backward pass), ``"custom"`` (a custom derivative: the primal body; the
+      rule is the user's), ``"loop"`` (``scan``, ``while``), ``"branch"`` (``cond``) or
+      ``"map"`` (``pmap``, ``shard_map``: the body once per device).
+    - ``bodies(eqn)``: ``(body, runs per call)`` of each nested jaxpr that runs (the walkers:
+      the audit, the fp32-matmul warning, the order of the gradients).
+    - ``run(eqn, invals, enter, const_in, **hooks)``: the primitive bound again with each body
+      evaluated by an interpreter, so that the result transforms as the original did
+      (autocast); ``None`` where it is bound as it is. A scan takes the hook
+      ``each_step(slices, stacked)``.
+    - ``inline``: whether evaluating the one body on the operands gives the outputs as they are
+      (calls, remats, a custom derivative's primal), so that an evaluator of concrete values
+      (the overflow diagnosis) steps inside.
+    """
+
+    kind: str
+    bodies: Callable[[Any], list[tuple[Any, float]]]
+    run: Callable[..., list] | None = None
+    inline: bool = False
+
+
+def _one_body(key: str) -> Callable[[Any], list[tuple[Any, float]]]:
+    return lambda eqn: [(eqn.params[key], 1.0)] if key in eqn.params else []
+
+
+def _run_body(key: str) -> Callable[..., list]:
+    def run(eqn, invals, enter, const_in, **_):
+        return enter(eqn.params[key], const_in)(*invals)
+    return run
+
+
+def _run_remat(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
+    return jax.checkpoint(enter(eqn.params["jaxpr"]), prevent_cse=eqn.params.get(
+        "prevent_cse", True), policy=eqn.params.get("policy"))(*invals)
+
+
+def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
+    """``values`` in the dtypes of ``like`` (floating ones): a loop's carry keeps its dtype
+    whatever an interpreter computed it in."""
+    return [convert_floating(x, y.dtype) if is_floating_array(y) else x
+            for x, y in zip(values, like, strict=True)]
+
+
+def _run_scan(eqn: Any, invals: list, enter: Enter, const_in: Any,
+              each_step: Callable[[list, list], None] | None = None, **_) -> list:
+    p = eqn.params
+    n_consts, n_carry = scan_layout(eqn)
+    consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                        invals[n_consts + n_carry:])
+    body = enter(p["jaxpr"])
+
+    def step(carry, x):
+        if each_step is not None:
+            each_step(list(x), xs)
+        outs = body(*consts, *carry, *x)
+        return _cast_like(outs[:n_carry], init), outs[n_carry:]
+    carry, ys = jax.lax.scan(step, list(init), list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p.get("unroll", 1))
+    return [*carry, *ys]
+
+
+def _run_while(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
+    nc, nb = while_layout(eqn)
+    cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+    cond, body = enter(eqn.params["cond_jaxpr"]), enter(eqn.params["body_jaxpr"])
+    return jax.lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
+                              lambda c: _cast_like(body(*body_consts, *c), init), list(init))
+
+
+def _run_cond(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
+    """The branches agree on each output's dtype: the widest any of them computes."""
+    index, operands = invals[0], invals[1:]
+    branches = [enter(b) for b in eqn.params["branches"]]
+    shapes = [jax.eval_shape(b, *operands) for b in branches]
+    dtypes = [functools.reduce(wider_float, [s[i].dtype for s in shapes])
+              if is_floating_array(shapes[0][i]) else None for i in range(len(shapes[0]))]
+
+    def agreeing(branch):
+        return lambda *ops: [x if d is None else convert_floating(x, d)
+                             for x, d in zip(branch(*ops), dtypes, strict=True)]
+    return jax.lax.switch(index, [agreeing(b) for b in branches], *operands)
+
+
+def _branches(eqn: Any) -> list[tuple[Any, float]]:
+    """The branch of a platform-dependent cond that runs here, else every branch (a report
+    shows the upper bound)."""
+    chosen = _platform_branch(eqn)
+    return [(b, 1.0) for b in ([chosen] if chosen is not None
+                                else eqn.params.get("branches", ()))]
+
+
+def _every_body(runs: Callable[[Any], float]) -> Callable[[Any], list[tuple[Any, float]]]:
+    return lambda eqn: [(j, runs(eqn.params)) for v in eqn.params.values()
+                        for j in _jaxprs_in(v)]
+
+
+def _devices(params: Any) -> float:
+    return float(params.get("axis_size") or getattr(params.get("mesh"), "size", 1) or 1)
+
+
+HIGHER_ORDER: dict[str, HigherOrder] = {
+    **{name: HigherOrder("call", _one_body(key), _run_body(key), inline=True)
+       for name, key in (("pjit", "jaxpr"), ("jit", "jaxpr"), ("closed_call", "call_jaxpr"),
+                         ("core_call", "call_jaxpr"))},
+    **{name: HigherOrder("remat", _one_body("jaxpr"), _run_remat, inline=True)
+       for name in ("checkpoint", "remat", "remat2")},
+    "custom_jvp_call": HigherOrder("custom", _one_body("call_jaxpr"),
+                                   _run_body("call_jaxpr"), inline=True),
+    **{name: HigherOrder("custom", _one_body(key), None, inline=True)
+       for name, key in (("custom_vjp_call", "call_jaxpr"),
+                         ("custom_vjp_call_jaxpr", "fun_jaxpr"))},
+    "scan": HigherOrder("loop", lambda eqn: [(eqn.params["jaxpr"],
+                                              float(eqn.params.get("length", 1)))], _run_scan),
+    "while": HigherOrder("loop", lambda eqn: [(eqn.params["cond_jaxpr"], 1.0),
+                                              (eqn.params["body_jaxpr"], 1.0)], _run_while),
+    "cond": HigherOrder("branch", _branches, _run_cond),
+    **{name: HigherOrder("map", _every_body(_devices))
+       for name in ("xla_pmap", "pmap", "shard_map")},
+}
+"""Every higher-order primitive the package knows, by name (JAX's renames side by side: a new
+JAX needs one line). A while loop's trip count is unknown at trace time: its body counts once."""
+
+CALLS = frozenset(name for name, h in HIGHER_ORDER.items() if h.kind == "call")
+"""The names of the call primitives (a nested ``jit``)."""
+
+
+def body(eqn: Any, kinds: tuple[str, ...] = ("call", "remat", "custom")) -> Any:
+    """The one body of ``eqn`` when it is an inline higher-order primitive of one of ``kinds``
+    (a closed or open jaxpr), else ``None``."""
+    known = HIGHER_ORDER.get(eqn.primitive.name)
+    if known is None or not known.inline or known.kind not in kinds:
+        return None
+    found = known.bodies(eqn)
+    return found[0][0] if found else None
 
 
 def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[Any], Any]]:
@@ -313,7 +429,7 @@ def _positions(jaxpr: Any) -> list[tuple[int, ...]]:
         if isinstance(v, Literal) or v not in made:
             return ()
         i, k = made[v]
-        inner = body(jaxpr.eqns[i], (CALLS, REMATS))
+        inner = body(jaxpr.eqns[i], ("call", "remat"))
         if inner is None:
             return (i,)
         if i not in inner_positions:

@@ -36,6 +36,24 @@ def is_floating_array(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
+def convert_floating(x: Any, dtype: Any) -> Any:
+    """``x`` converted to ``dtype`` when it is a floating array of another dtype, else ``x``."""
+    if is_floating_array(x) and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        return lax.convert_element_type(x, dtype)
+    return x
+
+
+def wider_float(a: Any, b: Any) -> Any:
+    """The floating dtype that holds both ``a`` and ``b`` (float32 for bfloat16 and float16),
+    without JAX's promotion, which strict promotion refuses."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    if a == b:
+        return a
+    if jnp.finfo(a).bits != jnp.finfo(b).bits:
+        return a if jnp.finfo(a).bits > jnp.finfo(b).bits else b
+    return jnp.dtype(jnp.float32)
+
+
 def is_floating(x: Any) -> bool:
     """:func:`is_floating_array`, or a Python float: the leaves that are counted (in the
     gradient statistics and ``first_nonfinite_leaf``'s path) and unscaled."""

@@ -242,11 +242,11 @@ def test_the_suite_compiles_its_rows_for_a_gpu(tmp_path):
 # The memory goals, on an H200, mixed ÷ fp32 of the compiled step, checked on fewer layers of
 # each model at its real width and batch (the full models' figures are in BENCHMARKS.md):
 # BERT-Large 0.45 with cuDNN's fused attention (its mixed_bfloat16 row), 0.55 with the explicit
-# one. ResNet-50 misses its goal of 0.55 (0.576 for the full model): its row guards against a
-# regression. What its schedule holds at the peak is 0.515 of fp32's; XLA's layout of the
-# temporary buffer leaves 1.35 GB of the bf16 step's arena unused (BENCHMARKS.md).
+# one; the user's NNX GPT under autocast and ResNet-50 0.55. ResNet-50 meets its goal because
+# the train step hands its gradients on in the order the backward pass makes them (0.576 for
+# the full model without it, 0.512 with it).
 GOALS = [("bert_large", "mixed_bfloat16", 0.45), ("bert_large", "mixed_bfloat16_explicit", 0.55),
-         ("nnx_gpt", "autocast_bf16", 0.55), ("resnet50", "mixed_bfloat16", 0.63)]
+         ("nnx_gpt", "autocast_bf16", 0.55), ("resnet50", "mixed_bfloat16", 0.55)]
 # BERT-Large keeps 8 of its 24 layers: at 2 its MLM head (30522 wide) outweighs the layers.
 REDUCED = {"bert_large": dict(depth=8), "nnx_gpt": dict(depth=2),
            "resnet50": dict(stage_sizes=(1, 1, 1, 1))}
