@@ -103,7 +103,7 @@ from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import body as _jaxpr_body
-from jaxamp._jaxpr import environment
+from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import nested_stack
 from jaxamp._jaxpr import sub_jaxprs
 from jaxamp._policy import get_policy
@@ -390,21 +390,27 @@ _cast = convert_floating
 
 def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
               const_args: Sequence[bool] | None = None) -> list:
-    """Evaluates ``jaxpr`` under the rules. ``const_args`` flags the arguments that are
+    """Evaluates ``jaxpr`` under the rules: the package's one loop
+    (:func:`jaxamp._jaxpr.evaluate`), each equation by :func:`_run_equation`, and an fp32
+    region taken whole where a seed opens one. ``const_args`` flags the arguments that are
     compile-time constants in the caller (a Python number passed to a jitted function)."""
-    env, read = environment(jaxpr, consts, args)
     constant = _constants(jaxpr, const_args)
     level = _Level(jaxpr) if ctx.regions else None
-    done: set[int] = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i in done:
-            continue
-        if (level is not None and _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
-                and not _feeds_only_matmuls(level, i)):
-            _run_region(ctx, level, i, env, done, outer, constant)
-            continue
-        _run_equation(ctx, eqn, env, read, outer, constant)
-    return [read(v) for v in jaxpr.outvars]
+
+    def take(i: int, eqn: Any, env: dict) -> set[int] | None:
+        if (level is None or not _is_seed(ctx, eqn, [_value(env, v) for v in eqn.invars], outer)
+                or _feeds_only_matmuls(level, i)):
+            return None
+        done: set[int] = set()
+        _run_region(ctx, level, i, env, done, outer, constant)
+        return done | {i}
+
+    return evaluate(jaxpr, consts, args, equation=lambda eqn, read: _run_equation(
+        ctx, eqn, read, outer, constant), take=take)
+
+
+def _value(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, Literal) else env[v]
 
 
 def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
@@ -421,8 +427,8 @@ def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
     return constant
 
 
-def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str,
-                  constant: set) -> None:
+def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
+                  constant: set) -> list:
     # The new equations keep the user's source line and name scope, as eval_jaxpr does.
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
@@ -440,8 +446,7 @@ def _run_equation(ctx: _Context, eqn: Any, env: dict, read: Callable, outer: str
         if ctx.call.near is not None and eqn.primitive.name not in MATMULS:
             _mark_near(ctx, eqn, invals, outs, outer,
                        [isinstance(v, Literal) or v in constant for v in eqn.invars])
-    for v, x in zip(eqn.outvars, outs, strict=True):
-        env[v] = x
+    return outs
 
 
 # --------------------------------------------------------------------------------------------
@@ -608,8 +613,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             region_vars.update(eqn.outvars)
             last = j
         elif all(v in env for v in ins):  # independent of the region: run it now
-            _run_equation(ctx, eqn, env, lambda v: v.val if isinstance(v, Literal) else env[v],
-                          outer, constant)
+            outs = _run_equation(ctx, eqn, functools.partial(_value, env), outer, constant)
+            env.update(zip(eqn.outvars, outs, strict=True))
             done.add(j)
         else:
             blocked.update(eqn.outvars)

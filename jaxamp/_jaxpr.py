@@ -389,25 +389,50 @@ def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[A
     return env, read
 
 
-def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable, outer: str = "") -> list:
-    """Evaluates ``jaxpr`` equation by equation, calling ``on_eqn(eqn, outputs, outer)`` after
-    each primitive. Call-like equations (jit, remat, custom_jvp/vjp) are entered, so that
-    ``on_eqn`` sees the primitives inside them; others are bound as they are."""
+def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable | None = None,
+             outer: str = "", *, equation: Callable[[Any, Callable], list] | None = None,
+             take: Callable[[int, Any, dict], set[int] | None] | None = None) -> list:
+    """The package's one loop over a jaxpr's equations, in order (autocast's and the overflow
+    diagnosis's interpreters are this loop and their hooks).
+
+    ``equation(eqn, read)`` evaluates one equation (``read`` gives a variable's value) and
+    returns its outputs. By default the inline higher-order primitives of
+    :data:`HIGHER_ORDER` (calls, remats, a custom derivative's primal) are entered, with the
+    same hooks, and every other primitive is bound as it is, then ``on_eqn(eqn, outputs,
+    outer)`` is called. ``take(i, eqn, env)``, when given, may evaluate a group of equations
+    that starts at the ``i``-th itself (autocast's fp32 regions), writing their values to
+    ``env``, and returns the indices it evaluated (the loop skips them), or ``None``."""
     env, read = environment(jaxpr, consts, args)
-    for eqn in jaxpr.eqns:
+    if equation is None:
+        equation = _bound(on_eqn, outer)
+    done: set[int] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in done:
+            continue
+        taken = take(i, eqn, env) if take is not None else None
+        if taken:
+            done.update(taken)
+            continue
+        for v, x in zip(eqn.outvars, equation(eqn, read), strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bound(on_eqn: Callable | None, outer: str) -> Callable[[Any, Callable], list]:
+    """:func:`evaluate`'s default ``equation``."""
+    def equation(eqn: Any, read: Callable) -> list:
         invals = [read(v) for v in eqn.invars]
         inner = body(eqn)
         if inner is not None:
-            outs = evaluate(getattr(inner, "jaxpr", inner), list(getattr(inner, "consts", ())),
+            return evaluate(getattr(inner, "jaxpr", inner), list(getattr(inner, "consts", ())),
                             invals, on_eqn, nested_stack(eqn, outer))
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        if on_eqn is not None:
             on_eqn(eqn, outs, outer)
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+        return outs
+    return equation
 
 
 def made_order(jaxpr: Any) -> list[int]:
