@@ -822,3 +822,24 @@ def test_the_step_hands_on_its_gradients_in_the_order_they_are_made(policy):
     norm = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
     np.testing.assert_allclose(float(m["grad_norm"]), norm,
                                rtol=1e-6 if policy == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_the_gradient_order_changes_no_value(policy, monkeypatch):
+    """Three steps with the gradients handed on in order equal, bit for bit, the same steps
+    with them handed on as they come (the barriers are identities)."""
+    from jaxamp import _train_step
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), policy)
+
+    def run():
+        state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+        step = jax.jit(jaxamp.make_train_step(mse_loss, warn_fp32_matmuls=False))
+        metrics = []
+        for seed in range(3):
+            state, m = step(state, make_batch(seed=seed))
+            metrics.append(m)
+        return state, metrics
+
+    ordered = run()
+    monkeypatch.setattr(_train_step, "in_made_order", lambda grads, order: grads)
+    assert_tree_bitwise_equal(run(), ordered)
