@@ -397,20 +397,16 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
     constant = _constants(jaxpr, const_args)
     level = _Level(jaxpr) if ctx.regions else None
 
-    def take(i: int, eqn: Any, env: dict) -> set[int] | None:
-        if (level is None or not _is_seed(ctx, eqn, [_value(env, v) for v in eqn.invars], outer)
+    def take(i: int, eqn: Any, env: dict, read: Callable) -> set[int] | None:
+        if (level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
                 or _feeds_only_matmuls(level, i)):
             return None
         done: set[int] = set()
-        _run_region(ctx, level, i, env, done, outer, constant)
+        _run_region(ctx, level, i, env, read, done, outer, constant)
         return done | {i}
 
     return evaluate(jaxpr, consts, args, equation=lambda eqn, read: _run_equation(
         ctx, eqn, read, outer, constant), take=take)
-
-
-def _value(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, Literal) else env[v]
 
 
 def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
@@ -581,7 +577,8 @@ def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
     return ctx.rule(eqn, nested_stack(eqn, outer)).opens_region
 
 
-def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[int],
+def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,
+                done: set[int],
                 outer: str, constant: set) -> None:
     """Grows the region from ``seed`` over the equations that consume its values, evaluates it
     in fp32 under ``jax.checkpoint`` (so that only its inputs are kept for the backward pass,
@@ -607,13 +604,13 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, done: set[in
             else:
                 blocked.update(eqn.outvars)
         elif all(v in env for v in ins) and not _feeds_only_matmuls(level, j) and _is_seed(
-                ctx, eqn, [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars],
+                ctx, eqn, [read(v) for v in eqn.invars],
                 outer):  # another upcast or fp32 op of the region's inputs: it belongs here
             members.append(j)
             region_vars.update(eqn.outvars)
             last = j
         elif all(v in env for v in ins):  # independent of the region: run it now
-            outs = _run_equation(ctx, eqn, functools.partial(_value, env), outer, constant)
+            outs = _run_equation(ctx, eqn, read, outer, constant)
             env.update(zip(eqn.outvars, outs, strict=True))
             done.add(j)
         else:

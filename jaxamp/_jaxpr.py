@@ -394,7 +394,8 @@ def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[A
 
 def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable | None = None,
              outer: str = "", *, equation: Callable[[Any, Callable], list] | None = None,
-             take: Callable[[int, Any, dict], set[int] | None] | None = None) -> list:
+             take: Callable[[int, Any, dict, Callable], set[int] | None] | None = None
+             ) -> list:
     """The package's one loop over a jaxpr's equations, in order (autocast's and the overflow
     diagnosis's interpreters are this loop and their hooks).
 
@@ -402,9 +403,9 @@ def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable | None = Non
     returns its outputs. By default the inline higher-order primitives of
     :data:`HIGHER_ORDER` (calls, remats, a custom derivative's primal) are entered, with the
     same hooks, and every other primitive is bound as it is, then ``on_eqn(eqn, outputs,
-    outer)`` is called. ``take(i, eqn, env)``, when given, may evaluate a group of equations
-    that starts at the ``i``-th itself (autocast's fp32 regions), writing their values to
-    ``env``, and returns the indices it evaluated (the loop skips them), or ``None``."""
+    outer)`` is called. ``take(i, eqn, env, read)``, when given, may evaluate a group of
+    equations that starts at the ``i``-th itself (autocast's fp32 regions), writing their
+    values to ``env``, and returns the indices it evaluated (the loop skips them), or ``None``."""
     env, read = environment(jaxpr, consts, args)
     if equation is None:
         equation = _bound(on_eqn, outer)
@@ -412,7 +413,7 @@ def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable | None = Non
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
-        taken = take(i, eqn, env) if take is not None else None
+        taken = take(i, eqn, env, read) if take is not None else None
         if taken:
             done.update(taken)
             continue
