@@ -6,7 +6,7 @@ state, counters and the policy itself (static data, so that any optax wrapper ke
 ``update(scaled_grads, state, params)``:
 
 1. casts the grads to fp32 and unscales them with the scale used for this step;
-2. checks that they are all finite;
+2. checks that they are all finite (and the loss, when ``update`` is given ``value=loss``);
 3. runs ``inner`` on the fp32 value of each param, so clipping, weight decay and schedules see
    true fp32 gradients;
 4. adjusts the loss scale;
@@ -341,6 +341,12 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
     # of non-finite leaves. It reads each gradient once, in its own dtype.
     stats = grad_stats(updates, state.loss_scale.loss_scale)
+    # The loss (optax's ``value``), when given, counts too: a step whose loss is inf or nan is
+    # skipped as a non-finite gradient is, though its gradients may be finite (an fp16 sum that
+    # overflowed where nothing depends on it, a masked row).
+    value = extra_args.get("value")
+    if value is not None:
+        stats = stats._replace(finite=stats.finite & jnp.all(jnp.isfinite(value)))
     # A skip leaves master, compensation and inner state untouched. lax.cond (skip="cond")
     # lets XLA update donated buffers in place and never runs the optimizer on a skipped step;
     # a select per leaf (skip="select") runs it always and keeps the old bits where the grads
@@ -536,10 +542,12 @@ def mixed_precision(
       remainder after rounding to the working dtype). ``update(scaled_grads, state, params,
       **extra)`` expects the gradient of ``scale_loss(loss, state)`` with respect to the
       working params (each in its working dtype: a ``ValueError`` otherwise), and forwards
-      ``extra`` to ``inner``. The updates of half-precision params are fp32 (the exact
-      difference to the new value), so ``optax.apply_updates`` promotes bf16 + fp32; under
-      ``jax.numpy_dtype_promotion("strict")`` take :func:`next_working_params` instead, as
-      :func:`jaxamp.make_train_step` does.
+      ``extra`` to ``inner``. ``value=loss`` (optax's name for the objective's value, which
+      :func:`jaxamp.make_train_step` passes) makes a step whose loss is inf or nan a skipped,
+      non-finite step even where its gradients are finite. The updates of half-precision
+      params are fp32 (the exact difference to the new value), so ``optax.apply_updates``
+      promotes bf16 + fp32; under ``jax.numpy_dtype_promotion("strict")`` take
+      :func:`next_working_params` instead, as :func:`jaxamp.make_train_step` does.
 
     >>> import jax, jax.numpy as jnp, optax
     >>> tx = mixed_precision(optax.sgd(0.25), "mixed_bfloat16")

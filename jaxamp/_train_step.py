@@ -290,7 +290,8 @@ def make_train_step(
         the default leaves several devices alone.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
-    scale used for this step), ``grads_finite``, ``skipped_steps`` (cumulative),
+    scale used for this step), ``grads_finite`` (False on a skipped step: a gradient or the
+    loss held an inf or nan; a non-finite loss never trains), ``skipped_steps`` (cumulative),
     ``grad_norm`` (of the unscaled, averaged gradients), ``nonfinite_leaves`` and
     ``first_nonfinite_leaf`` (-1, or the index that :func:`jaxamp.nonfinite_leaf_path` maps to
     the offending param's path), ``skips_at_min_scale`` (consecutive non-finite steps at the
@@ -359,9 +360,10 @@ def _step(config: _StepConfig, state: TrainState, batch: Any):
     # 4. The update.
     if dp is not None and dp.explicit:
         new_state, metrics = _update_on_explicit_mesh(config, dp, state, mp, grads,
-                                                      new_model_state)
+                                                      new_model_state, loss)
     else:
-        new_state, metrics = _update(config, mp is not None, state, grads, new_model_state)
+        new_state, metrics = _update(config, mp is not None, state, grads, new_model_state,
+                                     loss)
     metrics = {"loss": loss, "loss_scale": scale, **metrics}
     if config.has_aux:
         metrics["aux"] = aux
@@ -369,12 +371,12 @@ def _step(config: _StepConfig, state: TrainState, batch: Any):
 
 
 def _update(config: _StepConfig, mixed: bool, state: TrainState, grads, new_model_state,
-            cast_sharding: Any = None):
-    """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`); the new model
-    state, kept only on an applied step."""
+            loss, cast_sharding: Any = None):
+    """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`), skipped where a
+    gradient or the loss is not finite; the new model state, kept only on an applied step."""
     if mixed and _pins_layout(config.pin_grad_layout):
         grads = row_major_grads(grads)
-    new_state, metrics = _apply_update(state, grads, mixed, cast_sharding)
+    new_state, metrics = _apply_update(state, grads, loss, mixed, cast_sharding)
     if config.has_model_state:
         model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
         new_state = new_state.replace(model_state=model_state)
@@ -383,7 +385,7 @@ def _update(config: _StepConfig, mixed: bool, state: TrainState, grads, new_mode
 
 def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParallel,
                              state: TrainState, mp: MixedPrecisionState | None, grads,
-                             new_model_state):
+                             new_model_state, loss):
     """:func:`_update` where the arrays' types carry their shardings. The optimizer's own code
     (norms, masks, any optax transform) runs with the mesh axes Auto, as under any ``jit``,
     and hands back the state's own shardings; the working params are cast on the master's
@@ -396,7 +398,7 @@ def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParalle
     update: Callable[..., Any] = jax.sharding.auto_axes(
         functools.partial(_update, config, mp is not None, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
-    return update(state, grads, new_model_state)
+    return update(state, grads, new_model_state, loss)
 
 
 def _has_half_params(policy: Policy, params: Any) -> bool:
@@ -561,13 +563,15 @@ def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):
     return loss, grads, new_model_state
 
 
-def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any = None):
+def _apply_update(state: TrainState, grads: Any, loss: jax.Array, mixed: bool,
+                  cast_sharding: Any = None):
     """The optimizer's update and the metrics it reports. With
-    :func:`jaxamp.mixed_precision` the transform decides the skip; a plain optax transform is
+    :func:`jaxamp.mixed_precision` the transform decides the skip (it is handed the loss as
+    optax's ``value``: a non-finite loss skips the step too); a plain optax transform is
     skipped by the same ``skip_or_apply`` (a select), with the same metrics. ``cast_sharding``:
     where the cast of the master to the working params runs (the master's shards)."""
     if mixed:
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
         mp = find_state(opt_state)
         params = next_working_params(mp, state.params, updates)
         if cast_sharding is not None:
@@ -577,6 +581,7 @@ def _apply_update(state: TrainState, grads: Any, mixed: bool, cast_sharding: Any
         skipped, skips_at_min, stalled = mp.skipped_steps, mp.skips_at_min_scale, mp.stalled
     else:
         stats = grad_stats(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        stats = stats._replace(finite=stats.finite & jnp.isfinite(loss))
 
         def apply(params, opt_state):
             updates, opt_state = state.tx.update(grads, opt_state, params)

@@ -235,6 +235,50 @@ def test_overflow_in_one_micro_batch_skips_the_whole_step(policy):
     assert int(state.step) == 2
 
 
+def loss_with_a_blind_term(params, batch):
+    """The MSE plus a term no gradient flows through: inf where ``blind`` holds an inf, so the
+    loss is inf while every gradient is finite (a masked fp16 sum that overflowed)."""
+    blind = jax.lax.stop_gradient(jnp.mean(batch["blind"].astype(F32)))
+    return mse_loss(params, batch) + blind
+
+
+@pytest.mark.parametrize("layout", ["jit", "pmap", "accumulation", "plain optax"])
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_nonfinite_loss_with_finite_gradients_skips_the_step(layout, value):
+    plain = layout == "plain optax"
+    scale = jaxamp.DynamicLossScale(loss_scale=2.0**8)
+    state = (jaxamp.TrainState.create(params=init_params(), tx=optax.adam(1e-2)) if plain
+             else make_state("mixed_float16", inner=optax.adam(1e-2), loss_scale=scale))
+    batch = {**make_batch(), "blind": np.zeros((BATCH,), np.float32)}
+    if layout == "pmap":
+        step = jax.pmap(jaxamp.make_train_step(loss_with_a_blind_term, axis_name="batch"),
+                        axis_name="batch")
+        state, shard = jaxamp.parallel.replicate(state), jaxamp.parallel.shard_batch
+    else:
+        step = jax.jit(jaxamp.make_train_step(loss_with_a_blind_term,
+                                              accum_steps=4 if layout == "accumulation" else 1))
+        shard = lambda b: b  # noqa: E731
+    state, m = step(state, shard(batch))
+    assert np.all(np.asarray(m["grads_finite"]))
+    before = state
+    state, m = step(state, shard(poisoned(batch, 9, value, field="blind")))
+    loss = np.asarray(m["loss"])
+    assert np.all(np.isnan(loss) if np.isnan(value) else np.isinf(loss))
+    assert np.all(np.isfinite(np.asarray(m["grad_norm"])))  # the gradients were finite
+    assert not np.any(np.asarray(m["grads_finite"]))  # and the step is skipped all the same
+    assert np.all(np.asarray(m["nonfinite_leaves"]) == 0)
+    assert_tree_bitwise_equal(state.params, before.params)
+    assert_tree_bitwise_equal(state.opt_state if plain else mp_state(state).inner_state,
+                              before.opt_state if plain else mp_state(before).inner_state)
+    if not plain:
+        assert np.all(np.asarray(m["skipped_steps"]) == 1)
+        assert_tree_bitwise_equal(mp_state(state).master_params, mp_state(before).master_params)
+        np.testing.assert_array_equal(np.asarray(mp_state(state).loss_scale.loss_scale),
+                                      np.full_like(np.asarray(m["loss_scale"]), 2.0**7))
+    state, m = step(state, shard(batch))  # the next finite step is applied
+    assert np.all(np.asarray(m["grads_finite"]))
+
+
 # --------------------------------------------------------------------------------------------
 # aux, model state, rng
 # --------------------------------------------------------------------------------------------
