@@ -28,9 +28,11 @@ rule            primitives
                 cast to the compute dtype, then quantized to e4m3 with current scaling, the
                 gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`); the output is in the
                 compute dtype. Convolutions keep the ``compute`` rule: FP8 is for matmuls.
-``original``    the dtypes ``fn`` was traced with: inside :func:`full_precision`, and for
+``original``    the dtypes of ``fn`` as written: inside :func:`full_precision`, and for
                 ``custom_vjp`` functions, ``shard_map`` and ``pmap`` bodies and callbacks,
-                whose rules were written for those dtypes.
+                whose rules were written for those dtypes. ``fn`` is traced with its bf16
+                and fp16 arguments as fp32 (the train step hands it half-precision working
+                params), so these run in fp32 for a model written in fp32.
 ==============  ==========================================================================
 
 Integer, boolean and PRNG-key values are never touched. Casts that ``fn`` itself makes
@@ -45,9 +47,16 @@ value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dt
 evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
 be kept for a bf16 body.
 
-Memory: an fp32 region (a norm's statistics, a softmax, a loss) is computed under
-``jax.checkpoint`` from its half-precision inputs and hands its results on in the compute dtype,
-so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops' fp32 results. With
+No value computed in fp32 is rounded to half on its way to the next fp32 op: ``fn`` is
+traced as written in fp32, so JAX's own casts back to a half dtype (``jnp.sum`` and
+``jnp.mean`` of a half array round their fp32 sum) are not in the program; an fp32 region
+(a norm's statistics, a softmax, a loss) keeps its statistics and sums in fp32, and every
+value that an fp32 op or a nested function (a ``custom_jvp``, a loop) reads next.
+
+Memory: an fp32 region is computed under ``jax.checkpoint`` from its half-precision inputs
+and hands its full-size results to the matmuls and elementwise ops that read them in the
+compute dtype, so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops'
+fp32 results. With
 ``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
 ``jax.checkpoint`` policy that keeps only the matmuls' outputs and operands (and those of
 collectives, sorts, FFTs, pools and cumulative ops): the elementwise chains between matmuls (a
@@ -256,7 +265,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         arrays = [leaves[i] for i in traced]
         attention_calls: dict = {}
         with _marking_attention(attention_calls):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+                *[_as_written(x) for x in arrays])
 
         recomputed = recompute and context.regions and not closed.effects
 
@@ -383,6 +393,20 @@ def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
 
 def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _as_written(x: Any) -> Any:
+    """What ``fn`` is traced with for the argument ``x``: a bf16 or fp16 array as fp32, the
+    model as written (the train step hands it half-precision working params). Traced with
+    half-precision arguments, JAX's own casts (``jnp.sum`` and ``jnp.mean`` of a half array
+    sum in fp32 and round the sum back to half) and the dtypes of custom derivatives and of
+    :func:`full_precision` regions would be the half ones. The cast is made in the caller's
+    trace (its sharding and varying axes kept) and is dead code there: ``fn`` is evaluated
+    on ``x`` itself."""
+    return x.astype(jnp.float32) if is_floating_array(x) and x.dtype in _HALF else x
 
 
 _cast = convert_floating
@@ -577,6 +601,28 @@ def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
     return ctx.rule(eqn, nested_stack(eqn, outer)).opens_region
 
 
+def _size(v: Any) -> int:
+    return math.prod(getattr(v.aval, "shape", ()))
+
+
+def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
+                        inputs: list, outer: str) -> bool:
+    """Whether the region hands ``v`` on in the compute dtype: a full-size value read outside
+    the region only by ops that run in the compute dtype (matmuls, elementwise ops of the
+    half-precision activations). A statistic or a sum (smaller than the region's largest
+    floating input), and a value read by an fp32 op or by a nested jaxpr (a ``custom_jvp``, a
+    loop, a remat, whose body decides), stay fp32: no value computed in fp32 is rounded on its
+    way to the next fp32 op."""
+    outside = [level.eqns[c] for c in level.consumers.get(v, ()) if c not in members]
+    if not outside or not is_floating_array(v.aval):
+        return False
+    largest = max((_size(u) for u in inputs if is_floating_array(u.aval)), default=0)
+    if _size(v) < largest:
+        return False
+    return not any(next(sub_jaxprs(e), None) is not None
+                   or ctx.rule(e, nested_stack(e, outer)).opens_region for e in outside)
+
+
 def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,
                 done: set[int],
                 outer: str, constant: set) -> None:
@@ -623,7 +669,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
     exports = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars)
                if v in level.outvars or any(c not in member_set
                                             for c in level.consumers.get(v, ()))]
-    handed_on = [any(c not in member_set for c in level.consumers.get(v, ())) for v in exports]
+    handed_on = [_rounded_on_the_way(ctx, level, v, member_set, inputs, outer)
+                 for v in exports]
 
     inside = dataclasses.replace(ctx, regions=False, all_float32=True)
     producer = {v: eqn for eqn in eqns for v in eqn.outvars}

@@ -256,6 +256,101 @@ def test_effects_pass_through(capsys):
 
 
 # --------------------------------------------------------------------------------------------
+# The fp32 contract in the train step: nothing computed in fp32 is rounded to half on its way
+# --------------------------------------------------------------------------------------------
+
+D_LARGE = 256
+
+
+def _rms(h):
+    """A hand-written RMS norm: its sum of squares (~2e5 at activations near 30) is past
+    fp16's 65504."""
+    return h * lax.rsqrt(jnp.sum(h * h, -1, keepdims=True) / D_LARGE + 1e-6)
+
+
+def _reused_statistic(h):
+    s = jnp.sum(h * h, -1, keepdims=True)
+    return h * lax.rsqrt(s / D_LARGE + 1e-6) + 0.0 * s
+
+
+def _statistic_through_a_custom_jvp(h):
+    """The sum of squares leaves its fp32 region for ``jax.nn.relu`` (a ``custom_jvp``)."""
+    return h * lax.rsqrt(jax.nn.relu(jnp.sum(h * h, -1, keepdims=True)) / D_LARGE + 1e-6)
+
+
+def _loss_of_large_activations(h):
+    return _rms(h), jnp.mean(h * h) / 900.0  # a mean of squares of ~2e5 values near 900
+
+
+@pytest.mark.parametrize("model", ["rms norm", "reused statistic", "custom_jvp",
+                                   "mean of squares"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded(model, policy):
+    """The train step hands the model half-precision working params; JAX's own casts in that
+    trace (a ``jnp.sum`` of a half array sums in fp32 and rounds the sum back) used to round
+    the fp32 statistics to fp16: zeros (rsqrt of inf), nan, or an inf loss, each applied as a
+    finite step. Autocast traces the model as written, in fp32."""
+    norm = {"rms norm": _rms, "reused statistic": _reused_statistic,
+            "custom_jvp": _statistic_through_a_custom_jvp, "mean of squares": None}[model]
+
+    def loss_fn(params, batch):
+        h = batch["x"] @ params["w1"]  # activations near 30
+        if norm is None:
+            h, extra = _loss_of_large_activations(h)
+        else:
+            h, extra = norm(h), 0.0
+        return jnp.mean((h @ params["w2"] - batch["y"]) ** 2) + extra
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k[0], (64, D_LARGE)) * 30 / 8,
+              "w2": jax.random.normal(k[1], (D_LARGE, 1)) / 16}
+    batch = {"x": jax.random.normal(k[2], (32, 64)), "y": jnp.ones((32, 1))}
+    fp32 = float(loss_fn(params, batch))
+    tx = jaxamp.mixed_precision(optax.adam(1e-3), policy,
+                                loss_scale=jaxamp.StaticLossScale(1.0))
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    _, m = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))(state, batch)
+    assert bool(m["grads_finite"])
+    np.testing.assert_allclose(float(m["loss"]), fp32, rtol=2e-2)
+
+
+def test_a_custom_vjp_and_a_full_precision_region_run_in_fp32_in_the_train_step():
+    """The train step's working params are bf16; the custom derivative and the
+    full_precision region still get the fp32 they were written for."""
+    seen = []
+
+    @jax.custom_vjp
+    def sqrt_bound(x):
+        seen.append(("primal", jnp.dtype(x.dtype).name))
+        return jnp.sqrt(x)
+
+    def fwd(x):
+        return sqrt_bound(x), x
+
+    def bwd(x, g):
+        seen.append(("bwd", jnp.dtype(g.dtype).name))
+        return (g / (2 * jnp.sqrt(jnp.maximum(x, 0.1))),)
+    sqrt_bound.defvjp(fwd, bwd)
+
+    def loss_fn(params, batch):
+        a = jax.nn.sigmoid(batch["x"] @ params["w"])
+        gate = sqrt_bound(1 - a ** 2)
+        head = jaxamp.full_precision(lambda h, w: h @ w)(gate, params["v"])
+        seen.append(("head", jnp.dtype(head.dtype).name))
+        return jnp.mean(head ** 2)
+
+    params = {"w": W, "v": W.T * 0.1}
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True, warn_fp32_matmuls=False))
+    jaxpr = jax.make_jaxpr(step)(state, {"x": X})
+    assert set(seen) == {("primal", "float32"), ("bwd", "float32"), ("head", "float32")}
+    heads = [e for e, _ in _jaxpr.walk(jaxpr) if e.primitive.name == "dot_general"
+             and "jaxamp_full_precision" in str(e.source_info.name_stack)]
+    assert heads and all(v.aval.dtype == F32 for e in heads for v in e.invars)
+
+
+# --------------------------------------------------------------------------------------------
 # Users' models, as users write them: fp32 layers, no dtype=
 # --------------------------------------------------------------------------------------------
 
