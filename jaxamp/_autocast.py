@@ -41,8 +41,9 @@ As in torch, an fp32 op returns fp32, which the next matmul casts back to the co
 what ``fn`` returns is cast to ``policy.output_dtype``.
 
 Nested jaxprs are entered: ``jit``/``pjit`` and ``closed_call`` inline, ``remat``/``checkpoint``
-(re-wrapped with its policy), ``scan`` and ``while`` (the carry keeps the dtype of its initial
-value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dtype), and
+(re-wrapped with its policy, which alone decides what is kept inside it, ``recompute=True``
+keeping its inputs and nothing more), ``scan`` and ``while`` (the carry keeps the dtype of its
+initial value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dtype), and
 ``custom_jvp`` functions (``jax.nn.relu``, ``softplus``, ``softmax``): their primal body is
 evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
 be kept for a bf16 body.
@@ -151,23 +152,43 @@ _SAVED = frozenset((*MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fw
 
 
 _OPERAND = "jaxamp_matmul_operand"
+_KEPT = "jaxamp_kept"
 _VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
           "expand_dims", "copy")
 
 
 def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     """The ``jax.checkpoint`` policy of ``recompute=True``: the outputs of ``_SAVED`` ops and
-    the matmuls' operands (named ``_OPERAND``), which their transposes read. An FP8 matmul
-    keeps its 8-bit operands and its output (named), not its fp32 accumulator;
+    the matmuls' operands (named ``_OPERAND``), which their transposes read. The matmuls'
+    outputs are named (``_KEPT``) where autocast binds them outside a model's own remat, and
+    inside one where the model's policy saves them, so that the model's remat is kept: JAX
+    applies the outermost policy inside a nested ``jax.checkpoint``. An FP8 matmul keeps its
+    8-bit operands and its output (named), not its fp32 accumulator;
     ``jaxamp.ops.linear_softmax_cross_entropy`` its gradients (named ``ops.SAVED_NAME``), not
     its chunk loop to run again."""
+    del avals
     if prim.name == "name":
-        return params.get("name") in (_OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME,
+        return params.get("name") in (_KEPT, _OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME,
                                       ops.SAVED_NAME)
-    if prim.name == "dot_general" and any(
-            jnp.dtype(getattr(a, "dtype", jnp.float32)).itemsize == 1 for a in avals):
+    return prim.name in _SAVED and prim.name not in MATMULS
+
+
+def _nothing_saveable(*_: Any, **__: Any) -> bool:
+    """A model remat's policy ``None``: it saves nothing but its inputs."""
+    return False
+
+
+def _keeps(ctx: _Context, prim: Any, invals: list, params: Any) -> bool:
+    """Whether the outputs of ``prim`` are kept for the backward pass (named ``_KEPT``): a
+    matmul's outside a model's remat, and inside one whatever the model's policy saves."""
+    if ctx.call.cheap is None:
         return False
-    return prim.name in _SAVED
+    if ctx.model_remat is None:
+        return prim.name in MATMULS
+    try:
+        return ctx.model_remat(prim, *[jax.typeof(x) for x in invals], **params) is True
+    except Exception:  # noqa: BLE001 - a policy that cannot judge saves nothing extra
+        return False
 
 
 _FULL_PRECISION = "jaxamp_full_precision"
@@ -356,6 +377,10 @@ class _Context:
     fp32_scopes: tuple[str, ...]
     regions: bool = True
     all_float32: bool = False  # inside an fp32 region
+    # Inside a model's own remat (under recompute=True): its policy (the outermost's, as JAX
+    # applies it), which alone decides what is kept there.
+    model_remat: Callable[..., Any] | None = None
+    nested: bool = False  # a nested jaxpr's body, whose outputs the caller's ops read
     call: _Call = dataclasses.field(default_factory=_Call, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> _Rule:
@@ -608,19 +633,20 @@ def _size(v: Any) -> int:
 def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
                         inputs: list, outer: str) -> bool:
     """Whether the region hands ``v`` on in the compute dtype: a full-size value read outside
-    the region only by ops that run in the compute dtype (matmuls, elementwise ops of the
-    half-precision activations). A statistic or a sum (smaller than the region's largest
-    floating input), and a value read by an fp32 op or by a nested jaxpr (a ``custom_jvp``, a
-    loop, a remat, whose body decides), stay fp32: no value computed in fp32 is rounded on its
-    way to the next fp32 op."""
+    the region by the ops between the matmuls (the activations' elementwise ops, a nested
+    function such as a model's remat'd block), or returned by a nested body to its caller's
+    ops (what ``fn`` itself returns is cast to ``output_dtype`` instead). A statistic or a
+    sum (smaller than the region's largest floating input), which any op may read at fp32 for
+    almost no memory, and a value read by another fp32 op stay fp32: no statistic computed in
+    fp32 is rounded on its way to the next fp32 op."""
     outside = [level.eqns[c] for c in level.consumers.get(v, ()) if c not in members]
-    if not outside or not is_floating_array(v.aval):
+    leaves = ctx.nested and v in level.outvars  # read by the caller's ops
+    if not (outside or leaves) or not is_floating_array(v.aval):
         return False
     largest = max((_size(u) for u in inputs if is_floating_array(u.aval)), default=0)
     if _size(v) < largest:
         return False
-    return not any(next(sub_jaxprs(e), None) is not None
-                   or ctx.rule(e, nested_stack(e, outer)).opens_region for e in outside)
+    return not any(ctx.rule(e, nested_stack(e, outer)).opens_region for e in outside)
 
 
 def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,
@@ -701,7 +727,9 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
         return out
 
     invals = [env[v] for v in inputs]
-    outs = jax.checkpoint(region)(*invals)
+    # Inside a model's remat the region is recomputed with the rest of it: its own checkpoint
+    # would only keep its inputs for the backward pass (JAX keeps a nested remat's inputs).
+    outs = (region if ctx.model_remat is not None else jax.checkpoint(region))(*invals)
     for v, x in zip(exports, outs, strict=True):
         env[v] = x
     if ctx.call.near is not None:  # recomputed from its inputs: near when they are
@@ -716,7 +744,8 @@ def _body(ctx: _Context, closed: Any, stack: str,
     """A closed (or open) jaxpr as a function evaluated under the rules."""
     jaxpr = getattr(closed, "jaxpr", closed)
     consts = list(getattr(closed, "consts", ()))
-    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args)
+    nested = dataclasses.replace(ctx, nested=True)
+    return lambda *args: _evaluate(nested, jaxpr, consts, list(args), stack, const_args)
 
 
 def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
@@ -730,10 +759,26 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             return fused
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
+        inner = ctx
+        if higher_order.kind == "remat" and ctx.call.cheap is not None:
+            invals, inner = _entering_model_remat(ctx, eqn, invals)
         return higher_order.run(eqn, invals, lambda body, const_args=None: _body(
-            ctx, body, stack, const_args), const_in, each_step=_each_scan_step(ctx))
+            inner, body, stack, const_args), const_in, each_step=_each_scan_step(ctx))
     rule = rule.for_inputs(invals)
     return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
+
+
+def _entering_model_remat(ctx: _Context, eqn: Any, invals: list) -> tuple[list, _Context]:
+    """A model's own ``jax.checkpoint`` under ``recompute=True``: its inputs are kept (named
+    ``_KEPT``: what the model's remat saves, where autocast's policy would recompute them from
+    further back), the arguments and their casts aside; inside, its policy alone decides."""
+    if ctx.model_remat is not None:  # nested: the outermost model remat's policy rules
+        return invals, ctx
+    cheap = ctx.call.cheap or {}
+    kept = [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap else x
+            for x in invals]
+    policy = eqn.params.get("policy") or _nothing_saveable
+    return kept, dataclasses.replace(ctx, model_remat=policy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -921,12 +966,15 @@ class _Rule:
         if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
             params["preferred_element_type"] = self.preferred(ctx, invals,
                                                               params["preferred_element_type"])
-        if ctx.call.cheap is not None and eqn.primitive.name in MATMULS:
+        if (ctx.call.cheap is not None and ctx.model_remat is None
+                and eqn.primitive.name in MATMULS):
             invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
                       and id(x) not in ctx.call.cheap and id(x) not in (ctx.call.near or {}) else x
                       for x in invals]
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = out if eqn.primitive.multiple_results else [out]
+        if _keeps(ctx, eqn.primitive, invals, params):
+            outs = [checkpoint_name(x, _KEPT) if is_floating_array(x) else x for x in outs]
         if eqn.primitive.name in MATMULS:
             _set_near(ctx, outs, 0)  # saved (``_SAVED``)
         return outs
