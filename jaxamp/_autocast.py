@@ -102,6 +102,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import source_info_util
@@ -380,7 +381,8 @@ class _Context:
     # Inside a model's own remat (under recompute=True): its policy (the outermost's, as JAX
     # applies it), which alone decides what is kept there.
     model_remat: Callable[..., Any] | None = None
-    nested: bool = False  # a nested jaxpr's body, whose outputs the caller's ops read
+    # A remat's body (a model's block), whose full-size outputs go on to the caller's ops.
+    remat_body: bool = False
     call: _Call = dataclasses.field(default_factory=_Call, compare=False)
 
     def rule(self, eqn: Any, stack: str) -> _Rule:
@@ -435,6 +437,22 @@ def _as_written(x: Any) -> Any:
 
 
 _cast = convert_floating
+
+
+def _cast_constant(x: Any, dtype: Any) -> Any:
+    """A compile-time constant in ``dtype``: a finite value past ``dtype``'s range becomes its
+    finite extreme, as a mask constant is meant (Gemma masks logits with ``-2.3819763e38``,
+    which fp16 would turn into ``-inf``, and a fully masked row into nan); an infinity stays
+    one. A concrete value is clipped in numpy, at trace time, with no warning."""
+    if not is_floating_array(x) or jnp.dtype(x.dtype) == jnp.dtype(dtype):
+        return x
+    big = float(jnp.finfo(dtype).max)
+    if float(jnp.finfo(x.dtype).max) <= big:
+        return _cast(x, dtype)
+    if isinstance(x, np.ndarray | np.generic):
+        x = np.where(np.isfinite(x), np.clip(x, -big, big), x)
+        return np.asarray(x).astype(dtype)
+    return _cast(jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x), dtype)
 
 
 def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
@@ -634,13 +652,14 @@ def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
                         inputs: list, outer: str) -> bool:
     """Whether the region hands ``v`` on in the compute dtype: a full-size value read outside
     the region by the ops between the matmuls (the activations' elementwise ops, a nested
-    function such as a model's remat'd block), or returned by a nested body to its caller's
-    ops (what ``fn`` itself returns is cast to ``output_dtype`` instead). A statistic or a
+    function such as a model's remat'd block), or returned by a remat's body to its caller's
+    ops (a remat'd block's output; what a called or custom function returns stays as it is,
+    and what ``fn`` returns is cast to ``output_dtype``). A statistic or a
     sum (smaller than the region's largest floating input), which any op may read at fp32 for
     almost no memory, and a value read by another fp32 op stay fp32: no statistic computed in
     fp32 is rounded on its way to the next fp32 op."""
     outside = [level.eqns[c] for c in level.consumers.get(v, ()) if c not in members]
-    leaves = ctx.nested and v in level.outvars  # read by the caller's ops
+    leaves = ctx.remat_body and v in level.outvars  # read by the caller's ops
     if not (outside or leaves) or not is_floating_array(v.aval):
         return False
     largest = max((_size(u) for u in inputs if is_floating_array(u.aval)), default=0)
@@ -744,8 +763,7 @@ def _body(ctx: _Context, closed: Any, stack: str,
     """A closed (or open) jaxpr as a function evaluated under the rules."""
     jaxpr = getattr(closed, "jaxpr", closed)
     consts = list(getattr(closed, "consts", ()))
-    nested = dataclasses.replace(ctx, nested=True)
-    return lambda *args: _evaluate(nested, jaxpr, consts, list(args), stack, const_args)
+    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args)
 
 
 def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
@@ -759,9 +777,11 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             return fused
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
-        inner = ctx
-        if higher_order.kind == "remat" and ctx.call.cheap is not None:
-            invals, inner = _entering_model_remat(ctx, eqn, invals)
+        is_remat = higher_order.kind == "remat"
+        inner = ctx if ctx.remat_body == is_remat else dataclasses.replace(ctx,
+                                                                         remat_body=is_remat)
+        if is_remat and ctx.call.cheap is not None:
+            invals, inner = _entering_model_remat(inner, eqn, invals)
         return higher_order.run(eqn, invals, lambda body, const_args=None: _body(
             inner, body, stack, const_args), const_in, each_step=_each_scan_step(ctx))
     rule = rule.for_inputs(invals)
@@ -944,7 +964,9 @@ class _Rule:
         if not floats:
             return invals
         target = functools.reduce(wider_float, floats)
-        return [_cast(x, target) for x in invals]  # a no-op for inputs already in target
+        # A no-op for inputs already in target.
+        return [_cast_constant(x, target) if c else _cast(x, target)
+                for x, c in zip(invals, const_in, strict=True)]
 
     def preferred(self, ctx: _Context, invals: list, current: Any) -> Any:
         """A matmul's ``preferred_element_type`` (its accumulation and output dtype)."""

@@ -350,6 +350,30 @@ def test_a_custom_vjp_and_a_full_precision_region_run_in_fp32_in_the_train_step(
     assert heads and all(v.aval.dtype == F32 for e in heads for v in e.invars)
 
 
+GEMMA_MASK = -2.3819763e38  # the logits' mask constant of Google DeepMind's gemma
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_mask_constant_past_the_half_range_becomes_its_finite_extreme(policy):
+    """fp16 turned Gemma's mask into -inf, and a fully masked row into nan. An infinity the
+    model writes stays one."""
+    def f(w, x, mask):
+        logits = jnp.where(mask, x @ w, GEMMA_MASK)
+        return jax.nn.log_softmax(logits, -1), jnp.where(mask, x @ w, -jnp.inf)
+
+    mask = jnp.array([[True, False, True, True], [False] * 4, [True] * 4])
+    w, x = jnp.ones((8, 4)) * 0.1, jnp.ones((3, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning from inside jax or numpy
+        logp, inf_masked = jax.jit(jaxamp.autocast(f, policy))(w, x, mask)
+    ref, _ = f(w, x, mask)
+    assert np.isfinite(np.asarray(logp)).all()
+    np.testing.assert_allclose(np.asarray(logp)[1:], np.asarray(ref)[1:], rtol=1e-2)
+    half = jaxamp.get_policy(policy).compute_dtype
+    assert float(logp[0, 1]) <= 0.99 * max(GEMMA_MASK, -float(jnp.finfo(half).max))
+    assert float(inf_masked[0, 1]) == -np.inf
+
+
 # --------------------------------------------------------------------------------------------
 # A model's own remat is kept
 # --------------------------------------------------------------------------------------------
