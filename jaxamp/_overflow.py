@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
@@ -113,12 +114,17 @@ def _layer(eqn: Any, outer: str) -> str:
 
 
 def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool = False,
-                     has_model_state: bool = False, has_rng: bool = False) -> OverflowReport:
+                     has_model_state: bool = False, has_rng: bool = False,
+                     autocast: bool = False) -> OverflowReport:
     """Re-runs one step of ``loss_fn`` eagerly and reports where inf or nan first appear.
 
-    Takes the same ``loss_fn`` and flags as :func:`jaxamp.make_train_step`, a
-    :class:`jaxamp.TrainState` and one (unsharded) batch. The loss is scaled by the state's
-    current loss scale, as in the step, so fp16 overflows caused by the scale show up.
+    Takes the same ``loss_fn`` and flags as :func:`jaxamp.make_train_step` (``has_aux``,
+    ``has_model_state``, ``has_rng``, ``autocast``), a :class:`jaxamp.TrainState` and one
+    (unsharded) batch, and evaluates the program the step runs: with ``autocast=True``,
+    ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy, its fp32 regions and
+    recomputation included, so an op that the rules keep in fp32 is not reported as an fp16
+    overflow. The loss is scaled by the state's current loss scale, as in the step, so fp16
+    overflows caused by the scale show up.
 
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> def loss_fn(params, batch):
@@ -135,6 +141,8 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
     ('layer2', 'exp')
     """
     policy = state.policy
+    if autocast:
+        loss_fn = _autocast(loss_fn, policy)
     mp = maybe_find_state(state.opt_state)
     scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
     batch = policy.cast_to_compute(batch)

@@ -216,6 +216,34 @@ def test_forward_overflow_is_located_in_its_layer():
     assert "layer1" in text and "inf from dot_general" in text and "forward" in text
 
 
+def norm_then_overflow_loss(params, batch):
+    """An fp32 model: a hand-written RMS norm whose sum of squares is past fp16's range on
+    activations near 300 (autocast keeps it in fp32), then a layer whose fp16 matmul overflows
+    in the step that trains."""
+    with jax.named_scope("embed"):
+        h = batch["x"] @ params["embed"]                                  # ~300
+    with jax.named_scope("norm"):
+        h = h * jax.lax.rsqrt(jnp.sum(h * h, -1, keepdims=True) / h.shape[-1] + 1e-6)
+    with jax.named_scope("proj"):
+        h = h @ params["proj"]                                            # 64 * 2e3 > 65504
+    return jnp.mean(h)
+
+
+def test_explain_overflow_with_autocast_reports_the_program_that_trained():
+    params = {"embed": jnp.full((4, 64), 75.0, F32), "proj": jnp.full((64, 8), 2e3, F32)}
+    state = fp16_state(params)
+    step = jax.jit(jaxamp.make_train_step(norm_then_overflow_loss, autocast=True))
+    _, m = step(state, X)
+    assert not bool(m["grads_finite"])  # the autocast step overflows: in proj
+    report = jaxamp.explain_overflow(state, X, norm_then_overflow_loss, autocast=True)
+    first = report.first_forward
+    assert (first.layer, first.primitive, first.dtype) == ("proj", "dot_general", "float16")
+    assert all(e.layer != "norm" for e in report.events)
+    # Without autocast the diagnosis runs another program, whose fp16 norm overflows first.
+    plain = jaxamp.explain_overflow(state, X, norm_then_overflow_loss)
+    assert plain.first_forward.layer == "norm"
+
+
 def test_finite_model_reports_nothing():
     report = jaxamp.explain_overflow(fp16_state(constant_params(), 2.0**10), X, scoped_loss)
     assert report.events == []
