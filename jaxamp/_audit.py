@@ -45,6 +45,14 @@ _SENSITIVE = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "reduce_sum", 
               "cumlogsumexp", "rsqrt", "sqrt", "pow", "reduce_prod", "erf_inv")
 
 
+def _sums_one_value(eqn: Any) -> bool:
+    """A reduction over axes of size 1 only (the transpose of a broadcast that adds unit
+    axes, ``w[i][None, None, :]``): it sums a single value, exact in any dtype."""
+    axes = eqn.params.get("axes")
+    shape = getattr(eqn.invars[0].aval, "shape", None) if eqn.invars else None
+    return axes is not None and shape is not None and all(shape[a] == 1 for a in axes)
+
+
 @dataclasses.dataclass(frozen=True)
 class MatmulSite:
     """One matmul or convolution equation."""
@@ -464,7 +472,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),
                                       tuple(rhs.shape), flops, where(eqn), scope(eqn, outer),
                                       sources))
-        elif name in _SENSITIVE:
+        elif name in _SENSITIVE and not _sums_one_value(eqn):
             avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]
             if avals and any(jnp.dtype(a.dtype) in HALF_DTYPES for a in avals):
                 a = avals[0]

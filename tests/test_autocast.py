@@ -771,6 +771,29 @@ def test_bias_and_broadcast_gradients_sum_in_fp32():
     np.testing.assert_allclose(np.asarray(grad(w, b, X), F32), np.full(8, 4.0))
 
 
+def test_a_param_row_taken_by_index_and_broadcast_has_its_gradient_summed_in_fp32():
+    """Griffin's Conv1D: ``x_window * w[i][None, None, :]`` for each tap ``i``."""
+    def conv1d(w, x):
+        width = w.shape[0]
+        y = 0.0
+        for shift in range(width):
+            window = x[:, : x.shape[1] - shift]
+            window = jnp.pad(window, ((0, 0), (shift, 0), (0, 0)))
+            y = y + window * w[width - shift - 1][None, None, :]
+        return jnp.sum(y.astype(F32) ** 2)
+
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16)), BF16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 64, 16)), BF16)
+    grad = jax.grad(jaxamp.autocast(conv1d))
+    sums = [e for e in eqns(grad, w, x) if e.primitive.name == "reduce_sum"]
+    summing = [e for e in sums if any(e.invars[0].aval.shape[a] > 1 for a in e.params["axes"])]
+    assert summing and all(e.invars[0].aval.dtype == F32 for e in summing)
+    assert jaxamp.audit_grad(jaxamp.autocast(conv1d), w, x).half_sensitive_ops == []
+    np.testing.assert_allclose(np.asarray(grad(w, x), F32),
+                               jax.grad(conv1d)(w.astype(F32), x.astype(F32)), rtol=2e-2,
+                               atol=2e-2)
+
+
 def test_the_users_gpt_saves_less_than_fp32_and_almost_nothing_in_fp32():
     loss_fn, params, batch = _gpt_loss()
     working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
