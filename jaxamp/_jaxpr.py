@@ -467,11 +467,15 @@ def _positions(jaxpr: Any) -> list[tuple[int, ...]]:
     return [position(v) for v in jaxpr.outvars]
 
 
-def run_traced(fn: Callable, *args: Any) -> tuple[Any, Any]:
+def run_traced(fn: Callable, *args: Any,
+               inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """``(fn(*args), order)``: ``fn`` traced once into a jaxpr and run (inside the caller's
     trace, as if called), and :func:`made_order` of its outputs, a tree of ints with the
-    outputs' structure."""
+    outputs' structure. ``inspect``, when given, is called with the closed jaxpr first (a
+    diagnostic that reads the program, with no second trace)."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    if inspect is not None:
+        inspect(closed)
     tree = jax.tree.structure(shape)
     outputs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return (jax.tree.unflatten(tree, outputs),

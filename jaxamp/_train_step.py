@@ -44,8 +44,9 @@ from jaxamp import _data_parallel
 from jaxamp import _model_state
 from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import run_traced
-from jaxamp._jaxpr import walk
+from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
 from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
@@ -500,12 +501,14 @@ def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state
         return loss * scale, (loss, new_model_state, aux)
 
     handed = _model_state.hand(nodes, scale)
+    warn = None
     if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
-        _warn_fp32_matmuls(lambda p: scaled(p, handed), params, policy)
+        warn = functools.partial(_warn_fp32_matmuls, policy=policy)
     # Traced once and run: the jaxpr tells the order in which the backward pass makes each
-    # gradient, and the gradients are handed on in that order (see in_made_order).
+    # gradient, and the gradients are handed on in that order (see in_made_order); the
+    # fp32-matmul warning reads the same jaxpr.
     ((_, (loss, new_model_state, aux)), (grads, cotangents)), made = run_traced(
-        jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, handed)
+        jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, handed, inspect=warn)
     grads = in_made_order(grads, made[1][0])
     seen = _model_state.seen(nodes, cotangents, scale)
     return loss, grads, new_model_state, aux, seen
@@ -608,19 +611,20 @@ def _check_axis_bound(axis_name: str) -> None:
             "axis_name for jax.jit (with a sharded batch the reduction is implicit)") from e
 
 
-def _fp32_matmul_sites(scaled_loss: Callable, params: Any) -> tuple[int, list[str]]:
-    jaxpr = jax.make_jaxpr(lambda p: scaled_loss(p)[0])(params)
-    matmuls = [eqn for eqn, _ in walk(jaxpr) if eqn.primitive.name in MATMULS]
+def _fp32_matmul_sites(jaxpr: Any) -> tuple[int, list[str]]:
+    """The forward pass's matmuls in a value-and-gradient jaxpr, and those with an fp32
+    operand."""
+    matmuls = [eqn for eqn, _, _, outer in walk_levels(jaxpr)
+               if eqn.primitive.name in MATMULS and not is_backward(eqn, outer)]
     sites = [f"{eqn.primitive.name} at {where(eqn)}" for eqn in matmuls
              if any(getattr(v.aval, "dtype", None) == jnp.float32 for v in eqn.invars)]
     return len(matmuls), sites
 
 
-def _warn_fp32_matmuls(scaled_loss: Callable, params: Any, policy: Policy) -> None:
-    """A trace-time warning, never an error: a failure of the diagnostic itself is ignored
-    (the step's own trace reports any real error in ``loss_fn``)."""
+def _warn_fp32_matmuls(jaxpr: Any, policy: Policy) -> None:
+    """A trace-time warning, never an error: a failure of the diagnostic itself is ignored."""
     try:
-        total, sites = _fp32_matmul_sites(scaled_loss, params)
+        total, sites = _fp32_matmul_sites(jaxpr)
     except Exception:  # noqa: BLE001 - a diagnostic must never break a training step
         return
     if sites:

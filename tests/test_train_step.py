@@ -678,6 +678,19 @@ def test_clean_loss_does_not_warn(policy):
     assert _trace_and_collect_warnings(clean_loss, policy) == []
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_step_traces_the_loss_once_with_the_fp32_matmul_warning_on(autocast):
+    calls = []
+
+    def loss_fn(params, batch):
+        calls.append(1)
+        return mse_loss(params, batch)
+
+    state = make_state("mixed_bfloat16")
+    jax.jit(jaxamp.make_train_step(loss_fn, autocast=autocast)).lower(state, make_batch())
+    assert len(calls) == 1
+
+
 def test_promotion_warning_can_be_turned_off_and_is_silent_in_fp32():
     assert _trace_and_collect_warnings(promoting_loss, "mixed_bfloat16",
                                        warn_fp32_matmuls=False) == []
