@@ -9,7 +9,7 @@ export MPLBACKEND := Agg
 export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: test test-newest install-newest install-gpu-memory test-gpu-memory gpu-memory demo bench \
-	lint typecheck docs dist clean
+	lint typecheck docs dist clean install-zoo test-zoo
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,29 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 test: $(STAMP) lint
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 jaxamp tests \
-		$(GPU_MEMORY_TESTS:%=--ignore=%)
+		$(GPU_MEMORY_TESTS:%=--ignore=%) --ignore=$(ZOO_TESTS)
+
+# Third-party model packages as they ship, under autocast in bf16 and fp16: Google DeepMind's
+# recurrentgemma (Griffin) and penzai's Llama-like transformer, on the floor's jax, flax and
+# optax (Python 3.11), in their own environment, .venv-zoo: recurrentgemma pins numpy < 2.4,
+# which the floor's environment does not hold.
+VENV_ZOO := .venv-zoo
+STAMP_ZOO := $(VENV_ZOO)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+ZOO_TESTS := tests/zoo
+ZOO_PACKAGES := recurrentgemma==1.0.1 penzai==0.2.5
+
+$(STAMP_ZOO): pyproject.toml Makefile
+	rm -rf $(VENV_ZOO)
+	$(PYTHON) -m venv $(VENV_ZOO)
+	$(VENV_ZOO)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_ZOO)/bin/python -m pip install --quiet -e '.[dev]' $(ZOO_PACKAGES)
+	$(VENV_ZOO)/bin/python -c "import jax, flax, recurrentgemma, penzai; print('zoo:', 'jax', jax.__version__, 'flax', flax.__version__)"
+	touch $(STAMP_ZOO)
+
+install-zoo: $(STAMP_ZOO)
+
+test-zoo: $(STAMP_ZOO)
+	$(VENV_ZOO)/bin/python -m pytest -q -s -p no:cacheprovider --durations=5 $(ZOO_TESTS)
 
 # The library's unit tests and doctests on the newest jax, flax and optax the registry serves,
 # on Python 3.12 (jax 0.12 needs it), in their own environment: .venv-newest, built when it is
@@ -124,4 +146,5 @@ bench: $(STAMP)
 	$(PY) -m benchmarks torch
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_GPU) .pytest_cache .hypothesis runs site dist .cache
+	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_GPU) $(VENV_ZOO) .pytest_cache .hypothesis runs site \
+		dist .cache

@@ -286,6 +286,16 @@ def test_master_numerics_suite_trains_each_option(tiny_runs):
     assert abs(runs[1]["vs_float32"]) < 1e-3
 
 
+def test_remat_suite_keeps_the_models_remat_under_autocast(tiny_runs):
+    out, _ = tiny_runs
+    rows = {r["model remat"]: r for r in read_jsonl(out / "remat.jsonl")}
+    assert set(rows) == {"no remat", "checkpoint", "checkpoint, dots_with_no_batch_dims_saveable"}
+    for r in rows.values():
+        assert 0 < r["saved_vs_fp32"] <= 0.6
+    # the model's remat saves less than no remat, under autocast as in fp32
+    assert rows["checkpoint"]["autocast_saved_mb"] < rows["no remat"]["autocast_saved_mb"]
+
+
 def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
     assert harness.supported_compiler_options(
         xla_backend_optimization_level=0, xla_no_such_option_anywhere=True) == {
