@@ -574,7 +574,10 @@ def _apply_update(state: TrainState, grads: Any, loss: jax.Array, mixed: bool,
     skipped by the same ``skip_or_apply`` (a select), with the same metrics. ``cast_sharding``:
     where the cast of the master to the working params runs (the master's shards)."""
     if mixed:
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
+        # mixed_precision, alone or in an optax.chain (find_state refuses other wrappers), takes
+        # extra arguments; the declared type of tx does not say so.
+        tx = optax.with_extra_args_support(state.tx)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
         mp = find_state(opt_state)
         params = next_working_params(mp, state.params, updates)
         if cast_sharding is not None:

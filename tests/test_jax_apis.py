@@ -99,15 +99,18 @@ def test_where_names_the_user_line_and_survives_missing_source_info():
     assert _jaxpr.scope(broken) == ""
 
 
-def test_the_fp32_matmul_warning_never_breaks_a_step():
-    """A loss whose abstract trace for the diagnostic fails in a way the real trace does not
-    (here: the diagnostic's trace sees a different Python-side counter) still trains."""
+def test_the_fp32_matmul_warning_never_breaks_a_step(monkeypatch):
+    """The diagnostic reads the jaxpr the step traces (the loss is traced once); a failure of
+    the diagnostic itself (a JAX whose jaxpr it cannot read) still trains, silently."""
+    from jaxamp import _train_step
+
+    def unreadable(jaxpr):
+        raise AttributeError("a jaxpr this JAX writes differently")
+    monkeypatch.setattr(_train_step, "_fp32_matmul_sites", unreadable)
     calls = {"n": 0}
 
     def loss_fn(params, batch):
         calls["n"] += 1
-        if calls["n"] == 1:  # the diagnostic's trace
-            raise RuntimeError("only the diagnostic's trace sees this")
         return jnp.mean((batch["x"] @ params["w"]).astype(jnp.float32) ** 2)
 
     tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
@@ -115,7 +118,7 @@ def test_the_fp32_matmul_warning_never_breaks_a_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state, m = jax.jit(jaxamp.make_train_step(loss_fn))(state, {"x": np.ones((4, 3))})
-    assert bool(m["grads_finite"]) and calls["n"] == 2
+    assert bool(m["grads_finite"]) and calls["n"] == 1
 
 
 @pytest.mark.parametrize("name", ["Literal", "JaxprEqn", "ClosedJaxpr"])

@@ -296,6 +296,15 @@ def test_remat_suite_keeps_the_models_remat_under_autocast(tiny_runs):
     assert rows["checkpoint"]["autocast_saved_mb"] < rows["no remat"]["autocast_saved_mb"]
 
 
+def test_compile_time_suite_times_both_steps_interleaved(tiny_runs):
+    out, _ = tiny_runs
+    rows = read_jsonl(out / "compile_time.jsonl")
+    assert [r["step"] for r in rows] == ["plain", "autocast=True"]
+    for r in rows:
+        assert r["total_s"] > 0 and r["compile_s"] > 0 and r["trace_s"] > 0
+    assert rows[1]["ratio"] > 0 and len(rows[1]["ratios"]) == 2
+
+
 def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
     assert harness.supported_compiler_options(
         xla_backend_optimization_level=0, xla_no_such_option_anywhere=True) == {
