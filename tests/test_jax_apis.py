@@ -136,3 +136,18 @@ def test_the_public_apis_of_the_data_parallel_step_exist(name):
     for part in name.split("."):
         obj = getattr(obj, part)
     assert obj is not None
+
+
+def test_make_jaxpr_takes_a_type_from_typeof_with_another_dtype():
+    """autocast traces ``fn`` from its half arguments' types with fp32 as the dtype
+    (``jax.typeof(x).update(dtype=...)``), their sharding and varying axes kept."""
+    x = jnp.ones((2, 3), jnp.bfloat16)
+
+    def traced(x):
+        aval = jax.typeof(x).update(dtype=jnp.dtype(jnp.float32), weak_type=False)
+        jaxpr = jax.make_jaxpr(lambda y: y * 2)(aval)
+        assert jaxpr.in_avals[0].dtype == jnp.float32
+        return x
+    traced(x)
+    jax.jit(traced)(x)
+    jax.grad(lambda x: jnp.sum(traced(x).astype(jnp.float32)))(x)
