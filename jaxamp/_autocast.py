@@ -51,8 +51,9 @@ be kept for a bf16 body.
 No value computed in fp32 is rounded to half on its way to the next fp32 op: ``fn`` is
 traced as written in fp32, so JAX's own casts back to a half dtype (``jnp.sum`` and
 ``jnp.mean`` of a half array round their fp32 sum) are not in the program; an fp32 region
-(a norm's statistics, a softmax, a loss) keeps its statistics and sums in fp32, and every
-value that an fp32 op or a nested function (a ``custom_jvp``, a loop) reads next.
+(a norm's statistics, a softmax, a loss) keeps its statistics and sums in fp32, wherever they
+go next (a ``custom_jvp`` such as ``jax.nn.relu`` included), and every value that another fp32
+op reads next.
 
 Memory: an fp32 region is computed under ``jax.checkpoint`` from its half-precision inputs
 and hands its full-size results to the matmuls and elementwise ops that read them in the
