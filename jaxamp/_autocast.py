@@ -725,14 +725,19 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
 
     def region(*values):
         local = dict(zip(inputs, values, strict=True))
+        wide: dict = {}  # each value cast to fp32 once, however many ops read it
 
         def read(v):
-            return v.val if isinstance(v, Literal) else local[v]
+            if isinstance(v, Literal):
+                return _cast(v.val, jnp.float32)
+            if v not in wide:
+                wide[v] = _cast(local[v], jnp.float32)
+            return wide[v]
         for eqn in eqns:
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (source_info_util.user_context(eqn.source_info.traceback,
                                                 name_stack=name_stack), eqn.ctx.manager):
-                ins = [_cast(read(v), jnp.float32) for v in eqn.invars]
+                ins = [read(v) for v in eqn.invars]
                 call = _jaxpr_body(eqn, ("call",))
                 if call is not None:  # a jitted function: all of it in fp32
                     outs = _body(inside, call, nested_stack(eqn, outer))(*ins)
