@@ -790,10 +790,44 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
                                                                          remat_body=is_remat)
         if is_remat and ctx.call.cheap is not None:
             invals, inner = _entering_model_remat(inner, eqn, invals)
-        return higher_order.run(eqn, invals, lambda body, const_args=None: _body(
-            inner, body, stack, const_args), const_in, each_step=_each_scan_step(ctx))
+        each_step_recomputed = (name == "scan" and ctx.call.cheap is not None
+                                and ctx.model_remat is None)
+
+        def enter(body, const_args=None):
+            run = _body(inner, body, stack, const_args)
+            return _recomputed_in_its_step(ctx, run) if each_step_recomputed else run
+        return higher_order.run(eqn, invals, enter, const_in, each_step=_each_scan_step(ctx))
     rule = rule.for_inputs(invals)
     return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
+
+
+def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
+    """A scan's body under ``recompute=True``, outside a model's remat: under
+    ``jax.checkpoint`` with autocast's policy, so that the backward pass recomputes each step's
+    values in that step, from the step's inputs (kept, stacked by the scan). Without it, the
+    checkpoint around the whole function runs the forward scan again before the backward one,
+    and stacks every step's recomputed values (a layer-scanned transformer's attention
+    probabilities, of all its layers at once). The arguments keep inside the checkpoint's
+    trace what the evaluation knows of them (cheap, or near kept values)."""
+    call = ctx.call
+    cheap = call.cheap or {}
+
+    def step(*args):
+        args = [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap
+                else x for x in args]
+
+        def body(*traced):
+            for outer, x in zip(args, traced, strict=True):
+                if id(outer) in cheap:
+                    cheap[id(x)] = x
+                elif (call.near is not None and id(outer) in call.near
+                      and call.near[id(outer)][0] is outer):
+                    call.near[id(x)] = (x, call.near[id(outer)][1])
+            return run(*traced)
+        # Inside a scan, no CSE can merge the recomputation with the forward pass (JAX's
+        # advice for remat in scan), and barriers would only hinder XLA.
+        return jax.checkpoint(body, policy=_saveable, prevent_cse=False)(*args)
+    return step
 
 
 def _entering_model_remat(ctx: _Context, eqn: Any, invals: list) -> tuple[list, _Context]:
