@@ -104,12 +104,13 @@ def rows(tiny: bool, rounds: int, gpu_rounds: int) -> list[dict]:
             args = (state, batch)
             if compiler == GPU:
                 on_gpu = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-                args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                   sharding=on_gpu), args)
+                args = jax.tree.map(lambda x, s=on_gpu: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=s), args)
             times: dict[str, list[tuple[float, float, float]]] = {s: [] for s in STEPS}
             for r in range(n):
                 for step in STEPS[r % 3:] + STEPS[:r % 3]:
-                    times[step].append(_seconds(*steps[step][:1], args, steps[step][1]))
+                    loss, autocast = steps[step]
+                    times[step].append(_seconds(loss, args, autocast))
                     print(f"  {label}, {compiler}, round {r + 1}/{n}, {step}: "
                           f"{sum(times[step][-1]):.1f} s", flush=True)
             for step in STEPS:

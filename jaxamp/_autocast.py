@@ -67,8 +67,10 @@ softmax and norms keep only their inputs. A matmul's operand is not kept either 
 16 elementwise ops (an fp32 region counting as one) compute it from kept matmul outputs and the
 arguments: attention keeps its scores and recomputes the softmax from them, an MLP keeps its
 first matmul's output and recomputes the GELU, so each keeps one tensor where it kept two (on an
-H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). The arguments and
-their casts are never saved.
+H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). Each step of a ``scan``
+outside a model's remat runs under the same policy, its inputs kept: the backward scan
+recomputes a step in that step, where the forward scan would otherwise run again first and stack
+every step's recomputed values. The arguments and their casts are never saved.
 
 Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
 (flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one) runs, under a half
