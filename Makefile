@@ -106,8 +106,8 @@ $(STAMP_GPU): pyproject.toml
 
 install-gpu-memory: $(STAMP_GPU)
 
-# `.ci/run` leaves out the memory goals (GPU_MEMORY_SELECT='-k "not memory_goal"'): their six
-# compiles take 2 minutes on 2 cores, which CI's 15 do not hold; the full models' figures are
+# `.ci/run` leaves out the memory goals (GPU_MEMORY_SELECT='-k "not memory_goal"'): their ten
+# compiles take 3 minutes on 2 cores, which CI's 15 do not hold; the full models' figures are
 # committed in benchmarks/results/gpu-deviceless-h200/ (`make gpu-memory`).
 GPU_MEMORY_SELECT ?=
 
