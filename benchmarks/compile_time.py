@@ -108,7 +108,7 @@ def rows(tiny: bool, rounds: int, gpu_rounds: int) -> list[dict]:
                     x.shape, x.dtype, sharding=s), args)
             times: dict[str, list[tuple[float, float, float]]] = {s: [] for s in STEPS}
             for r in range(n):
-                for step in STEPS[r % 3:] + STEPS[:r % 3]:
+                for step in STEPS[r % len(STEPS):] + STEPS[:r % len(STEPS)]:
                     loss, autocast = steps[step]
                     times[step].append(_seconds(loss, args, autocast))
                     print(f"  {label}, {compiler}, round {r + 1}/{n}, {step}: "

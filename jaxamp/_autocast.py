@@ -370,6 +370,16 @@ class _Call:
     # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
     attention: dict = dataclasses.field(default_factory=dict)
 
+    def inherit(self, new: Any, old: Any, source: Any = None) -> None:
+        """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: cheap
+        (as ``source`` may be, the value ``old`` was upcast from), or near kept values."""
+        if self.cheap is not None and (id(old) in self.cheap or id(source) in self.cheap):
+            self.cheap[id(new)] = new
+        elif self.near is not None:
+            entry = self.near.get(id(old))
+            if entry is not None and entry[0] is old:
+                self.near[id(new)] = (new, entry[1])
+
 
 @dataclasses.dataclass(frozen=True)
 class _Context:
@@ -811,20 +821,12 @@ def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
     and stacks every step's recomputed values (a layer-scanned transformer's attention
     probabilities, of all its layers at once). The arguments keep inside the checkpoint's
     trace what the evaluation knows of them (cheap, or near kept values)."""
-    call = ctx.call
-    cheap = call.cheap or {}
-
     def step(*args):
-        args = [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap
-                else x for x in args]
+        args = _kept(ctx, args)
 
         def body(*traced):
             for outer, x in zip(args, traced, strict=True):
-                if id(outer) in cheap:
-                    cheap[id(x)] = x
-                elif (call.near is not None and id(outer) in call.near
-                      and call.near[id(outer)][0] is outer):
-                    call.near[id(x)] = (x, call.near[id(outer)][1])
+                ctx.call.inherit(x, outer)
             return run(*traced)
         # Inside a scan, no CSE can merge the recomputation with the forward pass (JAX's
         # advice for remat in scan), and barriers would only hinder XLA.
@@ -838,11 +840,16 @@ def _entering_model_remat(ctx: _Context, eqn: Any, invals: list) -> tuple[list, 
     further back), the arguments and their casts aside; inside, its policy alone decides."""
     if ctx.model_remat is not None:  # nested: the outermost model remat's policy rules
         return invals, ctx
-    cheap = ctx.call.cheap or {}
-    kept = [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap else x
-            for x in invals]
     policy = eqn.params.get("policy") or _nothing_saveable
-    return kept, dataclasses.replace(ctx, model_remat=policy)
+    return _kept(ctx, invals), dataclasses.replace(ctx, model_remat=policy)
+
+
+def _kept(ctx: _Context, values: Sequence[Any]) -> list:
+    """``values`` named ``_KEPT`` for the backward pass, the arguments and their casts aside
+    (cheap: recomputed)."""
+    cheap = ctx.call.cheap or {}
+    return [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap else x
+            for x in values]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1033,14 +1040,10 @@ class _Compute(_Rule):
     def cast(self, ctx, eqn, invals, const_in):
         del eqn, const_in
         outs = []
-        cheap, near = ctx.call.cheap, ctx.call.near
         for x in invals:
             source = _downcast_source(ctx, x)
             out = _cast(source, ctx.compute)
-            if cheap is not None and (id(x) in cheap or id(source) in cheap):
-                cheap[id(out)] = out  # the cast of an argument: recomputed, not saved
-            elif near is not None and id(x) in near and near[id(x)][0] is x:
-                near[id(out)] = (out, near[id(x)][1])
+            ctx.call.inherit(out, x, source)  # the cast of an argument: recomputed, not saved
             outs.append(out)
         return outs
 
