@@ -1,6 +1,11 @@
 """Tests of jaxamp.autocast: per-op dtype rules on any unmodified JAX, Flax or Equinox model."""
 
+import ast
+import inspect
+import pathlib
+import re
 import warnings
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +13,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import ROOT
+from helpers import assert_tree_bitwise_equal
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
@@ -112,6 +119,165 @@ def test_constants_follow_and_the_widest_traced_input_wins():
     assert [jnp.dtype(e.outvars[0].aval.dtype).name for e in adds] == ["bfloat16", "float32"]
 
 
+def test_the_function_keeps_fns_signature_and_passes_non_arrays_through_as_static():
+    def f(w, x, rows, mode, *, flag=False):
+        h = (x @ w).reshape(rows, -1)       # a traced ``rows`` could not set a shape
+        if mode == "tanh" and flag:          # nor a traced ``flag`` decide a branch
+            h = jnp.tanh(h)
+        return {"h": h}
+
+    ac = jaxamp.autocast(f)
+    assert inspect.signature(ac) == inspect.signature(f) and ac.__name__ == "f"
+    out = ac(W, X, 2, "tanh", flag=True)
+    assert out["h"].shape == (2, 16) and out["h"].dtype == F32
+    np.testing.assert_allclose(out["h"], f(W, X, 2, "tanh", flag=True)["h"], atol=2e-2)
+    names = {e.primitive.name for e in eqns(lambda w, x: ac(w, x, 2, "tanh", flag=False), W, X)}
+    assert "tanh" not in names and "dot_general" in names
+
+
+def test_fn_is_interpreted_once_under_jit_and_on_every_eager_call():
+    calls = []
+
+    def f(w, x):
+        calls.append(1)
+        return jnp.tanh(x @ w)
+
+    jitted = jax.jit(jaxamp.autocast(f))
+    for _ in range(3):
+        jitted(W, X)
+    assert len(calls) == 1
+    eager = jaxamp.autocast(f)
+    for _ in range(3):
+        eager(W, X)
+    assert len(calls) == 4
+
+
+def test_the_program_is_fns_own_ops_with_the_rules_casts_inserted():
+    """Nothing but casts is added to the forward program (the names and the checkpoint of
+    ``recompute`` are no ops)."""
+    def f(w, x):
+        h = jnp.tanh(x @ w) * 2.0 + 1.0
+        return jax.nn.softmax(h @ w.T, axis=-1)
+
+    no_ops = {"convert_element_type", "name", "remat2", "checkpoint", "pjit", "jit",
+              "custom_jvp_call"}
+
+    def ops(fn):
+        return Counter(e.primitive.name for e in eqns(fn, W, X)
+                       if e.primitive.name not in no_ops)
+    ac = jaxamp.autocast(f)
+    assert ops(ac) == ops(f)
+    assert any(e.primitive.name == "convert_element_type" for e in eqns(ac, W, X))
+
+
+def test_convolutions_and_ragged_dots_run_in_the_compute_dtype_forward_and_backward():
+    def f(w, x, kernel, image):
+        grouped = lax.ragged_dot(x, jnp.stack([w, 2 * w]), jnp.array([2, 2], jnp.int32))
+        conv = lax.conv_general_dilated(image, kernel, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(grouped ** 2) + jnp.sum(conv ** 2)
+
+    kernel, image = jnp.full((3, 3, 2, 4), 0.1), jnp.ones((1, 6, 6, 2))
+    ac = jaxamp.autocast(f)
+    names = ("conv_general_dilated", "ragged_dot", "ragged_dot_general")
+    for fn in (ac, jax.grad(ac, argnums=(0, 2))):   # operands and outputs, both passes
+        found = {(e.primitive.name.replace("ragged_dot_general", "ragged_dot"),
+                  jnp.dtype(v.aval.dtype).name) for e in eqns(fn, W, X, kernel, image)
+                 if e.primitive.name in names for v in (*e.invars[:2], *e.outvars)}
+        assert found == {("conv_general_dilated", "bfloat16"), ("ragged_dot", "bfloat16")}
+
+
+def test_a_half_precision_matmul_accumulates_in_fp32_on_xla_cpu():
+    """4096 bf16 products summed in bf16 (in order, or pairwise) end several ulps off; XLA:CPU
+    sums them in fp32 and rounds the result once."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(8, 4096)), BF16)
+    b = jnp.asarray(rng.normal(size=(4096, 8)), BF16)
+    out = np.asarray(jaxamp.autocast(lambda a, b: a @ b, "p=f32,c=bf16,o=bf16")(a, b),
+                     np.float64)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact))) - 7)
+    assert np.all(np.abs(out - exact) <= 0.51 * ulp)
+
+
+FP32_RULE_OPS = {
+    "exp": jnp.exp, "exp2": jnp.exp2, "log": lambda h: jnp.log(jnp.abs(h) + 1),
+    "log1p": lambda h: jnp.log1p(jnp.abs(h)), "expm1": jnp.expm1, "logistic": jax.nn.sigmoid,
+    "erf": lax.erf, "erfc": lax.erfc, "erf_inv": lambda h: lax.erf_inv(jnp.tanh(h) * 0.5),
+    "pow": lambda h: lax.pow(jnp.abs(h) + 1, h), "rsqrt": lambda h: lax.rsqrt(jnp.abs(h) + 1),
+    "sqrt": lambda h: jnp.sqrt(jnp.abs(h)), "cbrt": jnp.cbrt, "tan": jnp.tan,
+    "lgamma": lambda h: lax.lgamma(jnp.abs(h) + 1),
+    "digamma": lambda h: lax.digamma(jnp.abs(h) + 1),
+    "cumsum": lambda h: jnp.cumsum(h, -1), "cumprod": lambda h: jnp.cumprod(h, -1),
+    "cumlogsumexp": lambda h: lax.cumlogsumexp(h, axis=1),
+    "reduce_sum": lambda h: jnp.sum(h, -1), "reduce_prod": lambda h: jnp.prod(h, -1),
+    "reduce_max": lambda h: jnp.max(h, -1), "reduce_min": lambda h: jnp.min(h, -1),
+}
+"""An op of each primitive of the ``float32`` rule, on a bf16 matmul's output."""
+
+
+@pytest.mark.parametrize("name", sorted(FP32_RULE_OPS))
+def test_each_primitive_of_the_float32_rule_runs_in_fp32_on_a_half_input(name):
+    def f(w, x):
+        return FP32_RULE_OPS[name](x @ w)
+
+    found = operand_dtypes(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"), W, X, names=(name,))
+    assert found == {(name, "float32")}
+
+
+@pytest.mark.parametrize("reduce", [jnp.max, jnp.min])
+def test_reduce_max_and_min_run_in_fp32_so_their_derivatives_sum_in_fp32(reduce):
+    def f(w, x):
+        return reduce(x @ w, -1)
+
+    name = f"reduce_{reduce.__name__}"
+    grad = grad_of(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"))
+    assert operand_dtypes(grad, W, X, names=(name, "reduce_sum")) == {
+        (name, "float32"), ("reduce_sum", "float32")}
+
+
+def test_promoted_ops_take_the_widest_input_and_single_input_ops_follow_theirs():
+    def f(w, x, y):
+        h = x @ w                                                # bf16
+        return (jnp.maximum(h, y), jnp.where(h > 0, h, y), jnp.concatenate([h, y], -1),
+                -h, jnp.tanh(h), jnp.tanh(jnp.exp(h)))
+
+    names = ("max", "select_n", "concatenate", "neg", "tanh")
+    found = [(e.primitive.name, jnp.dtype(e.outvars[0].aval.dtype).name)
+             for e in eqns(jaxamp.autocast(f), W, X, jnp.ones((4, 8)))
+             if e.primitive.name in names]
+    assert found == [("max", "float32"), ("select_n", "float32"), ("concatenate", "float32"),
+                     ("neg", "bfloat16"), ("tanh", "bfloat16"), ("tanh", "float32")]
+
+
+def test_a_half_cast_fn_makes_and_jaxs_own_promotions_are_kept():
+    def f(w, x, labels, y):
+        h = x @ w                                                # bf16
+        own = h.astype(BF16).astype(F32) * 3.0                  # fn's casts: fp32
+        promoted = h.astype(jnp.float16) + y                    # jnp: f16 + f32 is f32
+        counted = labels[:, None] + h                           # jnp: i32 + f32 is f32
+        return own, promoted, counted
+
+    found = [(e.primitive.name, jnp.dtype(e.outvars[0].aval.dtype).name)
+             for e in eqns(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"), W, X,
+                           jnp.arange(4, dtype=jnp.int32), jnp.ones((4, 8)))
+             if e.primitive.name in ("mul", "add")]
+    assert sorted(found) == [("add", "float32"), ("add", "float32"), ("mul", "float32")]
+
+
+def test_an_fp32_op_returns_fp32_and_the_next_matmul_casts_it_back():
+    def f(w, x):
+        e = jnp.exp(x @ w)
+        return e @ w.T, e
+
+    found = [(e.primitive.name, jnp.dtype(e.invars[0].aval.dtype).name,
+              jnp.dtype(e.outvars[0].aval.dtype).name)
+             for e in eqns(jaxamp.autocast(f, "p=f32,c=bf16,o=bf16"), W, X)
+             if e.primitive.name in ("exp", "dot_general")]
+    assert found == [("dot_general", "bfloat16", "bfloat16"), ("exp", "float32", "float32"),
+                     ("dot_general", "bfloat16", "bfloat16")]
+
+
 # --------------------------------------------------------------------------------------------
 # Overrides
 # --------------------------------------------------------------------------------------------
@@ -140,6 +306,54 @@ def test_fp32_scopes_and_full_precision_regions():
     def g(w, x):
         return jaxamp.full_precision(lambda a, b: a @ b)(x, w) + jnp.tanh(x @ w)
     assert matmul_dtypes(jaxamp.autocast(g), W, X) == {"float32", "bfloat16"}
+
+
+@pytest.mark.parametrize("rule,dtype", [("compute", "bfloat16"), ("float32", "float32"),
+                                        ("promote", "bfloat16"), ("original", "float32")])
+def test_each_rule_runs_an_op_as_documented(rule, dtype):
+    def f(w, x):
+        return jnp.exp(x @ w)       # exp of a bf16 matmul's output, traced in fp32
+
+    found = operand_dtypes(jaxamp.autocast(f, rules={"exp": rule}), W, X, names=("exp",))
+    assert found == {("exp", dtype)}
+
+
+def test_the_fp8_rule_quantizes_a_dot_general_under_any_half_policy():
+    found = operand_dtypes(jaxamp.autocast(lambda w, x: x @ w, rules={"dot_general": "fp8"}),
+                           W, X, names=("dot_general",))
+    assert found == {("dot_general", "float8_e4m3fn")}
+
+
+def test_linen_modules_open_a_scope_each_and_fp32_scopes_match_a_module_path():
+    import flax.linen as nn
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            gate = jax.nn.softmax(nn.Dense(4, name="router")(x), -1)
+            return nn.Dense(8, name="proj")(x) * gate.sum(-1, keepdims=True)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="router")(Encoder(name="Encoder")(x))  # another router
+
+    params = Net().init(jax.random.key(0), X)
+    ac = jaxamp.autocast(Net().apply, fp32_scopes=("Encoder/router",))
+    found = {(_jaxpr.scope(e), jnp.dtype(e.invars[0].aval.dtype).name)
+             for e in eqns(ac, params, X) if e.primitive.name == "dot_general"}
+    assert found == {("Net/Encoder/router", "float32"), ("Net/Encoder/proj", "bfloat16"),
+                     ("Net/router", "bfloat16")}
+
+
+def test_full_precision_outside_autocast_is_the_function_under_a_name_scope():
+    def f(a, b):
+        return jnp.tanh(a @ b)
+
+    jaxpr = jax.make_jaxpr(jaxamp.full_precision(f))(X, W)
+    assert [(e.primitive.name, str(e.source_info.name_stack)) for e in jaxpr.eqns] == [
+        ("dot_general", "jaxamp_full_precision"), ("tanh", "jaxamp_full_precision")]
+    np.testing.assert_array_equal(jaxamp.full_precision(f)(X, W), f(X, W))
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +467,79 @@ def test_effects_pass_through(capsys):
         return h
     jax.block_until_ready(jaxamp.autocast(f)(W, X))
     assert "mean" in capsys.readouterr().out
+
+
+def test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype():
+    def f(w, x):
+        h = x @ w                                                            # bf16
+        c = lax.cond(jnp.sum(h) > 0, lambda t: t * 2.0, jnp.exp, h)          # bf16 | fp32
+        s = lax.switch(1, [lambda t: t, jnp.exp, lambda t: -t], h)
+        loop = lax.while_loop(lambda a: a[0] < 3, lambda a: (a[0] + 1, jnp.exp(a[1]) * 0.1),
+                              (0, h))[1]                                     # starts in bf16
+        return c, s, loop
+
+    found = sorted((e.primitive.name, jnp.dtype(e.outvars[-1].aval.dtype).name,
+                    tuple({jnp.dtype(v.aval.dtype).name for b in e.params.get("branches", ())
+                           for v in b.jaxpr.outvars}))
+                   for e in eqns(jaxamp.autocast(f), W, X) if e.primitive.name in ("cond", "while"))
+    assert found == [("cond", "float32", ("float32",)), ("cond", "float32", ("float32",)),
+                     ("while", "bfloat16", ())]
+
+
+def _closed_call(fn, *args):
+    """``fn`` bound as one ``closed_call`` equation (what JAX's partial evaluation makes of a
+    scan's known part)."""
+    import jax.extend.core as jex
+    inner = jax.make_jaxpr(fn)(*args)
+    outer = jax.make_jaxpr(fn)(*args)    # its variables, for the outer jaxpr
+    eqn = jex.new_jaxpr_eqn(list(outer.jaxpr.invars), list(outer.jaxpr.outvars),
+                            jex.primitives.closed_call_p, {"call_jaxpr": inner},
+                            jex.no_effects)
+    jaxpr = jex.Jaxpr([], list(outer.jaxpr.invars), list(outer.jaxpr.outvars), [eqn],
+                      debug_info=outer.jaxpr.debug_info)
+    return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))
+
+
+def test_jit_and_closed_call_are_inlined():
+    call = _closed_call(lambda w, x: jnp.tanh(x @ w), W, X)
+
+    def f(w, x):
+        return jax.jit(lambda h: h @ w.T)(call(w, x)[0])
+
+    plain = {e.primitive.name for e in jax.make_jaxpr(f)(W, X).eqns}
+    assert "closed_call" in plain and plain & {"pjit", "jit"}
+    ac = jaxamp.autocast(f)
+    names = {e.primitive.name for e in eqns(ac, W, X)}
+    assert not names & {"closed_call", "pjit", "jit"}
+    assert matmul_dtypes(ac, W, X) == {"bfloat16"}
+    np.testing.assert_allclose(ac(W, X), f(W, X), atol=2e-2)
+
+
+def test_pmap_bodies_and_callbacks_run_in_the_dtypes_fn_was_written_for():
+    """Given bf16 arguments (as the train step's working params), a ``pmap`` body and a
+    callback inside an autocast function see fp32, the dtype ``fn`` is traced with, where
+    the ops around them run in bf16."""
+    seen = []
+
+    def record(h):
+        seen.append(("pure", jnp.dtype(h.dtype).name))
+        return h
+
+    def f(w, xs):
+        mapped = jax.pmap(lambda x, w: x @ w, in_axes=(0, None))(xs, w)
+        h = xs[0] @ w                                            # bf16 under autocast
+        jax.debug.callback(lambda v: seen.append(("debug", jnp.dtype(v.dtype).name)), h)
+        return mapped, jax.pure_callback(record, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+
+    w = W.astype(BF16)
+    xs = jnp.asarray(np.random.default_rng(2).normal(size=(jax.device_count(), 2, 16)), BF16)
+    ac = jaxamp.autocast(f)
+    assert operand_dtypes(ac, w, xs) == {("dot_general", "float32"),   # the pmap body's
+                                         ("dot_general", "bfloat16")}  # and h's
+    mapped, _ = jax.block_until_ready(ac(w, xs))
+    jax.effects_barrier()
+    assert sorted(seen) == [("debug", "float32"), ("pure", "float32")]
+    np.testing.assert_allclose(mapped, f(w.astype(F32), xs.astype(F32))[0], rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,6 +713,8 @@ def test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32(remat):
         # a scan stacks its 4 carries)
         boundaries = 3 if remat == "checkpoint" else 4
         assert ac.saved_bytes == boundaries * N_TOKENS * D_BLOCK * 2, ac.saved_bytes_by_dtype
+    if remat == "checkpoint":  # 3.44x fp32's bytes when autocast's policy reached inside
+        assert ac.saved_bytes == 0.375 * fp32
 
 
 def _scans_stacking(jaxpr, leading: tuple) -> int:
@@ -823,6 +1112,89 @@ def test_a_param_row_taken_by_index_and_broadcast_has_its_gradient_summed_in_fp3
                                atol=2e-2)
 
 
+def test_the_transpose_of_a_broadcast_that_adds_unit_axes_stays_in_half_unlisted():
+    """``w[None, :]`` adds a unit axis: its transpose sums one value, exactly, in bf16; the
+    broadcast over the batch that follows sums in fp32."""
+    def f(w, x, v):
+        return jnp.sum(((x * w[None, :]) @ v).astype(F32))
+
+    w, x, v = jnp.ones((16,), BF16), jnp.ones((4, 16), BF16), jnp.ones((16, 8), BF16)
+    grad = jax.grad(jaxamp.autocast(f))
+    sums = [e for e in eqns(grad, w, x, v) if e.primitive.name == "reduce_sum"]
+    one_value = [e.invars[0].aval for e in sums
+                 if all(e.invars[0].aval.shape[a] == 1 for a in e.params["axes"])]
+    many = [e.invars[0].aval for e in sums
+            if not all(e.invars[0].aval.shape[a] == 1 for a in e.params["axes"])]
+    assert one_value and all(a.dtype == BF16 for a in one_value)
+    assert many and all(a.dtype == F32 for a in many)
+    assert jaxamp.audit_grad(jaxamp.autocast(f), w, x, v).half_sensitive_ops == []
+    np.testing.assert_allclose(np.asarray(grad(w, x, v), F32), np.full(16, 32.0))
+
+
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_a_step_whose_loss_is_not_finite_is_skipped_under_autocast(value):
+    def loss_fn(params, batch):  # finite gradients, the loss inf or nan through ``blind``
+        return mse_loss(params, batch) + lax.stop_gradient(jnp.mean(batch["blind"]))
+
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
+    batch = {**make_batch(), "blind": np.zeros((16,), np.float32)}
+    state, m = step(state, batch)
+    assert bool(m["grads_finite"])
+    before = state
+    state, m = step(state, {**batch, "blind": batch["blind"].copy() + value})
+    assert not np.isfinite(float(m["loss"])) and not bool(m["grads_finite"])
+    assert_tree_bitwise_equal(state.params, before.params)
+
+
+def test_under_recompute_the_arguments_and_their_casts_are_not_saved():
+    """Neither as a matmul's operands (their bf16 casts) nor as the inputs of a model's own
+    remat: the backward pass casts them again. With ``recompute=False`` JAX's default saves
+    the casts too (``x`` and ``w`` in bf16 here, 384 bytes)."""
+    def f(w, x):
+        h = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))(w, x)
+        return jnp.mean(h ** 2) + jnp.mean(jnp.tanh(x @ w))
+
+    saved = jaxamp.audit_grad(jaxamp.autocast(f), W, X, argnums=(0, 1)).saved_bytes_by_dtype
+    assert saved == {"bfloat16": 4 * 8 * 2}   # x @ w outside the remat, and nothing else
+
+
+@pytest.mark.parametrize("op", ["sort", "pooling window", "cumsum", "none"])
+def test_recompute_keeps_the_outputs_of_sorts_pooling_windows_and_cumulative_ops(op):
+    """Beside the first matmul's output (2 bytes an element), each such op's output is kept,
+    not run again in the backward pass."""
+    kept = {"sort": {"bfloat16": 2 + 2, "uint32": 4},   # the values, and the order they had
+            "pooling window": {"bfloat16": 2 + 2},
+            "cumsum": {"bfloat16": 2, "float32": 4},    # an fp32 op: its output in fp32
+            "none": {"bfloat16": 2}}[op]
+    w1 = jax.random.normal(jax.random.key(0), (16, 64)) * 0.1
+    w2 = jax.random.normal(jax.random.key(1), (64, 8)) * 0.1
+    middle = {"sort": lambda h: jnp.sort(h, -1), "cumsum": lambda h: jnp.cumsum(h, -1),
+              "pooling window": lambda h: lax.reduce_window(h, -jnp.inf, lax.max, (1, 2),
+                                                            (1, 1), "SAME"),
+              "none": lambda h: h}[op]
+
+    def f(w1, w2, x):
+        return jnp.mean(jnp.tanh(middle(jnp.tanh(x @ w1))) @ w2)
+
+    saved = jaxamp.audit_grad(jaxamp.autocast(f), w1, w2, X, argnums=(0, 1))
+    assert saved.saved_bytes_by_dtype == {d: n * 4 * 64 for d, n in kept.items()}
+
+
+def test_recompute_is_the_default_under_a_half_compute_dtype_only():
+    w1 = jax.random.normal(jax.random.key(0), (16, 64)) * 0.1
+    w2 = jax.random.normal(jax.random.key(1), (64, 8)) * 0.1
+
+    def f(w1, w2, x):
+        return jnp.mean(jax.nn.gelu(x @ w1) @ w2)
+
+    def saved(fn):
+        return jaxamp.audit_grad(fn, w1, w2, X, argnums=(0, 1)).saved_bytes_by_dtype
+    assert saved(jaxamp.autocast(f)) == {"bfloat16": 4 * 64 * 2}          # recomputed
+    assert saved(jaxamp.autocast(f, "float32")) == saved(f) == {"float32": 6 * 4 * 64 * 4}
+
+
 def test_the_users_gpt_saves_less_than_fp32_and_almost_nothing_in_fp32():
     loss_fn, params, batch = _gpt_loss()
     working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
@@ -943,6 +1315,37 @@ def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
     assert jax.nn.dot_product_attention is original
 
 
+def test_an_attention_call_with_sequence_lengths_or_a_residual_runs_as_asked():
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
+    lengths = jnp.array([3, 8], jnp.int32)
+
+    def f(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+        again, residual = jax.nn.dot_product_attention(q, k, v, return_residual=True)
+        return out, again, residual
+
+    out, again, residual = jax.jit(jaxamp.autocast(f))(q, k, v)
+    ref, ref_again, _ = jax.jit(f)(q, k, v)
+    np.testing.assert_allclose(out, ref, atol=3e-2)   # the first row's 5 keys masked, still
+    assert float(jnp.max(jnp.abs(ref - again))) > 0.5  # as they are without the lengths
+    assert again.shape == (2, 8, 2, 16) and residual.shape == (2, 8, 2)
+    np.testing.assert_allclose(again, ref_again, atol=3e-2)
+
+
+def test_the_audit_counts_the_default_backends_branch_of_a_platform_dependent_choice():
+    def chosen(w, x):   # on CPU one matmul; elsewhere three
+        return lax.platform_dependent(w, x, cpu=lambda w, x: x @ w,
+                                      default=lambda w, x: (x @ w) @ (w.T @ w))
+
+    def either(w, x):   # a plain cond may run either branch: it counts both
+        return lax.cond(x[0, 0] > 0, lambda w, x: x @ w, lambda w, x: (x @ w) @ (w.T @ w), w, x)
+
+    one = jaxamp.audit(lambda w, x: x @ w, W, X).total_matmul_flops
+    assert jax.default_backend() == "cpu"
+    assert jaxamp.audit(chosen, W, X).total_matmul_flops == one
+    assert jaxamp.audit(either, W, X).total_matmul_flops > 4 * one
+
+
 def test_recompute_keeps_the_fused_heads_gradients():
     """``jaxamp.ops.linear_softmax_cross_entropy`` under autocast: its chunk loop runs once,
     in the forward pass (its gradients are kept, not recomputed by a second loop)."""
@@ -1036,3 +1439,286 @@ def test_shard_map_inside_and_outside_an_autocast_function():
     assert {d for _, d in ops} == {"float32"}   # the shard_map body's rules are its author's
     np.testing.assert_allclose(jax.grad(jaxamp.autocast(sharded))(W, x), jax.grad(sharded)(W, x),
                                rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# docs/concepts/autocast.md: every claim has a test
+# --------------------------------------------------------------------------------------------
+
+AC = "tests/test_autocast.py::"
+GPU = "tests/gpu_memory/test_compiled.py::"   # XLA:GPU's compiler, `make test-gpu-memory`
+PAGE_EXAMPLES = "tests/test_docs.py::test_page_examples_run[concepts/autocast.md]"
+
+PAGE_CLAIMS = {
+    # How it works
+    "returns a function with `fn`'s signature": (
+        AC + "test_the_function_keeps_fns_signature_and_passes_non_arrays_through_as_static",),
+    "evaluates that jaxpr again, equation by equation, under per-primitive dtype rules, with the "
+    "rules' casts inserted": (
+        AC + "test_the_program_is_fns_own_ops_with_the_rules_casts_inserted",),
+    "it works under `jax.grad`, `jit`, `vmap`, `pmap` and `shard_map`": (
+        AC + "test_matmuls_run_in_the_compute_dtype_forward_and_backward",
+        AC + "test_a_jitted_scan_and_fori_loop_run_their_matmuls_in_the_compute_dtype",
+        AC + "test_vmap_of_an_autocast_function",
+        AC + "test_pmap_and_an_8_way_sharded_jit_equal_one_device",
+        AC + "test_shard_map_inside_and_outside_an_autocast_function"),
+    # FALSE in part: "on any JAX model": an rfft of a half-precision value fails under autocast
+    # (`lax.fft` takes no bf16), and the gradient of a complex FFT fails under recompute=True
+    # (JAX's remat inserts reduce_precision on the saved complex fft output).
+    "(Flax NNX, Linen, Equinox, plain jnp)": (
+        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads",),
+    "costs nothing at run time beyond its casts": (
+        AC + "test_the_program_is_fns_own_ops_with_the_rules_casts_inserted",),
+    "Array arguments are traced; others (Python numbers, strings, flags) pass through as static "
+    "values": (
+        AC + "test_the_function_keeps_fns_signature_and_passes_non_arrays_through_as_static",),
+    "The interpretation happens at trace time, so call it under `jit`": (
+        AC + "test_fn_is_interpreted_once_under_jit_and_on_every_eager_call",),
+    # The rules: the table
+    "operands cast to the compute dtype, and the output too (`preferred_element_type`), so that "
+    "the backward pass's transposed matmuls meet a half-precision cotangent": (
+        AC + "test_matmuls_run_in_the_compute_dtype_forward_and_backward",
+        AC + "test_convolutions_and_ragged_dots_run_in_the_compute_dtype_forward_and_backward"),
+    "Accumulation is fp32 inside the kernel where the backend does that": (
+        AC + "test_a_half_precision_matmul_accumulates_in_fp32_on_xla_cpu",),
+    "the reductions `reduce_sum` and `reduce_prod` behind softmax": (
+        AC + "test_each_primitive_of_the_float32_rule_runs_in_fp32_on_a_half_input",
+        AC + "test_precision_sensitive_ops_run_in_fp32_on_half_inputs"),
+    "they run in fp32 so that the sums in their derivatives do too": (
+        AC + "test_reduce_max_and_min_run_in_fp32_so_their_derivatives_sum_in_fp32",),
+    "floating inputs cast to the widest of them": (
+        AC + "test_constants_follow_and_the_widest_traced_input_wins",
+        AC + "test_promoted_ops_take_the_widest_input_and_single_input_ops_follow_theirs"),
+    "a weakly typed constant (`x * 0.5`) adopts the others' dtype": (
+        AC + "test_constants_follow_and_the_widest_traced_input_wins",),
+    "a single-input op follows its input": (
+        AC + "test_promoted_ops_take_the_widest_input_and_single_input_ops_follow_theirs",),
+    "quantized to e4m3 with current scaling, the gradient to e5m2; the output in the compute "
+    "dtype": (
+        "tests/test_fp8.py::test_current_scaling_dense_matches_the_dequantized_reference",
+        "tests/test_fp8.py::test_gradients_keep_their_operands_dtypes_and_output_follows_preferred",
+        "tests/test_fp8.py::test_mixed_fp8_autocast_runs_every_matmul_of_a_user_nnx_model_in_fp8",
+        AC + "test_the_fp8_rule_quantizes_a_dot_general_under_any_half_policy"),
+    "Convolutions keep the `compute` rule": (
+        "tests/test_fp8.py::test_mixed_fp8_keeps_convolutions_in_bf16_and_linen_dense_in_fp8",),
+    "`custom_vjp` functions, `shard_map` and `pmap` bodies, callbacks": (
+        AC + "test_fp32_scopes_and_full_precision_regions",
+        AC + "test_a_user_custom_vjp_runs_in_the_dtypes_it_was_written_for",
+        AC + "test_shard_map_inside_and_outside_an_autocast_function",
+        AC + "test_pmap_bodies_and_callbacks_run_in_the_dtypes_fn_was_written_for"),
+    "`fn` is traced with its bf16 and fp16 arguments as fp32": (
+        AC + "test_a_custom_vjp_and_a_full_precision_region_run_in_fp32_in_the_train_step",
+        AC + "test_pmap_bodies_and_callbacks_run_in_the_dtypes_fn_was_written_for",
+        "tests/test_jax_apis.py::test_make_jaxpr_takes_a_type_from_typeof_with_another_dtype"),
+    # More of the contract
+    "Integer, boolean and PRNG-key values are never touched": (
+        AC + "test_integers_booleans_and_keys_are_never_touched",),
+    # FALSE: "Casts that `fn` makes itself (`x.astype(jnp.float32)`, ...) are kept": a cast to
+    # fp32 of a value fn computes in fp32 as written (`(x @ w).astype(jnp.float32) * 3.0`) is
+    # not in the fp32 trace, so under autocast the mul runs in bf16 (torch runs it in fp32).
+    # What holds, a cast to a half dtype and JAX's promotions, is mapped:
+    "JAX's own promotions) are kept": (
+        AC + "test_a_half_cast_fn_makes_and_jaxs_own_promotions_are_kept",),
+    "an fp32 op returns fp32, which the next matmul casts back to the compute dtype": (
+        AC + "test_an_fp32_op_returns_fp32_and_the_next_matmul_casts_it_back",
+        AC + "test_explain_overflow_and_audit_see_through_an_autocast_loss"),
+    "What `fn` returns is cast to `policy.output_dtype`": (
+        AC + "test_matmuls_run_in_the_compute_dtype_forward_and_backward",
+        AC + "test_constants_follow_and_the_widest_traced_input_wins",
+        PAGE_EXAMPLES),
+    "No value computed in fp32 is rounded to half on its way to the next fp32 op": (
+        AC + "test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded",),
+    "(a `custom_jvp` such as `jax.nn.relu` included)": (
+        AC + "test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded[mixed_float16-"
+             "custom_jvp]",),
+    "its full-size results go to the matmuls, elementwise ops and remat'd blocks that read them "
+    "in the compute dtype": (
+        AC + "test_an_fp32_norm_region_saves_only_its_half_precision_input",
+        AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32"),
+    "A hand-written RMS norm on activations near 30 in fp16, whose sum of squares is past 65504, "
+    "gives fp32's loss": (
+        AC + "test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded[mixed_float16-"
+             "rms norm]",),
+    "A step whose loss is inf or nan is skipped": (
+        AC + "test_a_step_whose_loss_is_not_finite_is_skipped_under_autocast",
+        "tests/test_train_step.py::test_a_nonfinite_loss_with_finite_gradients_skips_the_step"),
+    "Bias and broadcast gradients are summed in fp32": (
+        AC + "test_bias_and_broadcast_gradients_sum_in_fp32",),
+    "a param row taken by index and broadcast (`x * w[i][None, None, :]`) included": (
+        AC + "test_a_param_row_taken_by_index_and_broadcast_has_its_gradient_summed_in_fp32",),
+    "The transpose of a broadcast that only adds unit axes stays in half precision: it sums one "
+    "value, exactly, and the audit does not list it": (
+        AC + "test_the_transpose_of_a_broadcast_that_adds_unit_axes_stays_in_half_unlisted",),
+    "`jit`/`pjit` and `closed_call` inline": (
+        AC + "test_jit_and_closed_call_are_inlined",
+        AC + "test_jit_remat_custom_jvp_inside_are_entered"),
+    "`remat`/`checkpoint` (re-wrapped with its policy, which alone decides what is kept inside "
+    "it": (
+        AC + "test_jit_remat_custom_jvp_inside_are_entered",
+        AC + "test_a_models_remat_policy_decides_what_is_kept_inside_it"),
+    "`scan` and `while` (the carry keeps the dtype of its initial value": (
+        AC + "test_a_scan_over_layers_keeps_its_fp32_carry_and_runs_bf16_matmuls",
+        AC + "test_scan_over_layers_stays_a_scan_with_an_fp32_carry",
+        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype"),
+    "`cond`/`switch` (the branches' outputs promoted to one dtype)": (
+        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype",
+        AC + "test_while_and_cond_agree_on_dtypes"),
+    "whose primal body is evaluated under the rules and differentiated as it is": (
+        AC + "test_jit_remat_custom_jvp_inside_are_entered",
+        AC + "test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded"),
+    # Memory
+    "is computed under `jax.checkpoint` from its half-precision inputs": (
+        AC + "test_an_fp32_norm_region_saves_only_its_half_precision_input",),
+    "so it keeps no fp32 tensor for the backward pass. Its statistics stay fp32, which costs "
+    "almost no memory": (
+        AC + "test_an_fp32_norm_region_saves_only_its_half_precision_input",
+        AC + "test_the_users_gpt_saves_less_than_fp32_and_almost_nothing_in_fp32"),
+    "(the default under a half compute dtype)": (
+        AC + "test_recompute_is_the_default_under_a_half_compute_dtype_only",),
+    "keeps only the matmuls' operands and outputs": (
+        AC + "test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass",
+        AC + "test_recompute_keeps_the_scores_not_the_probabilities"),
+    # FALSE for FFTs: a complex FFT's output is kept, and JAX cannot differentiate that
+    # checkpoint (see "on any JAX model" above). Collectives: no test of their outputs here.
+    "pooling windows and cumulative ops)": (
+        AC + "test_recompute_keeps_the_outputs_of_sorts_pooling_windows_and_cumulative_ops",),
+    "`recompute=False` keeps JAX's default: every intermediate the derivative reads": (
+        AC + "test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass",),
+    "Functions with side effects (`jax.debug.print`, callbacks) are never recomputed": (
+        AC + "test_a_function_with_effects_is_not_recomputed",),
+    "**A model's own remat is kept.**": (
+        AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32",
+        AC + "test_a_models_remat_policy_decides_what_is_kept_inside_it",
+        AC + "test_an_nnx_remat_model_trains_under_autocast_like_fp32"),
+    "Four checkpointed post-norm blocks save their three block inputs in bf16, 0.375× fp32's "
+    "bytes": (
+        AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32[checkpoint]",),
+    "a scanned, remat'd stack its stacked carries in bf16": (
+        AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32[scan]",),
+    "**A scan is recomputed one step at a time.**": (
+        AC + "test_a_scan_is_recomputed_step_by_step_in_the_backward_pass",
+        GPU + "test_memory_goal_of_a_scanned_transformer_under_autocast"),
+    # FALSE: "The arguments and their casts are never saved." With recompute=False the matmuls'
+    # bf16 casts of the arguments are saved (JAX's default); under recompute=True they are not:
+    # tests/test_autocast.py::test_under_recompute_the_arguments_and_their_casts_are_not_saved
+    # Fused attention
+    "as cuDNN's fused flash attention wherever the step is compiled for an NVIDIA GPU": (
+        GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
+    "as JAX's XLA implementation under the rules above everywhere else": (
+        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+        GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel"),
+    "and so `nnx.MultiHeadAttention` with its defaults, makes that call": (
+        GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
+    "so it marks the call while it traces and makes the choice itself": (
+        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+        GPU + "test_the_reference_transformers_lower_attention_to_cudnn"),
+    "so `jaxamp.gpu_memory` (a GPU compile on a machine without one) sees the GPU's program": (
+        GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
+    "not the `[batch, heads, length, length]` probabilities": (
+        GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",
+        GPU + "test_memory_goal[nnx_gpt-autocast_bf16]"),
+    # Untested here (XLA:GPU only, the CPU lane has no cuDNN to choose): a call inside an fp32
+    # region, an fp32 scope or full_precision, under an FP8 policy, or of a head size, dtype or
+    # mask cuDNN refuses keeps the XLA implementation.
+    "A call with an explicit `implementation`, sequence lengths or `return_residual` runs as "
+    "asked": (
+        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+        AC + "test_an_attention_call_with_sequence_lengths_or_a_residual_runs_as_asked"),
+    "compute their attention with einsums and a softmax; autocast runs those under its rules": (
+        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads"
+             "[linen_scan_over_layers]",
+        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads"
+             "[equinox_transformer]"),
+    "counts the fused kernel's matmul FLOPs": (
+        GPU + "test_the_audit_counts_cudnns_attention_flops",),
+    "of a platform-dependent choice only the branch of JAX's default backend": (
+        AC + "test_the_audit_counts_the_default_backends_branch_of_a_platform_dependent_choice",),
+    # Overrides
+    '`rules={"exp": "compute"}`': (
+        AC + "test_per_primitive_rules_override_the_defaults",
+        AC + "test_each_rule_runs_an_op_as_documented"),
+    "a rule is `compute`, `float32`, `promote`, `original` or `fp8` (`dot_general` only)": (
+        AC + "test_each_rule_runs_an_op_as_documented",
+        AC + "test_the_fp8_rule_quantizes_a_dot_general_under_any_half_policy",
+        AC + "test_bad_input_is_a_clear_error"),
+    'every op inside a name scope or module path (`"head"`, `"Encoder/router"`), matmuls '
+    "included, in fp32": (
+        AC + "test_fp32_scopes_and_full_precision_regions",
+        AC + "test_linen_modules_open_a_scope_each_and_fp32_scopes_match_a_module_path"),
+    "a region that runs exactly as written": (
+        AC + "test_fp32_scopes_and_full_precision_regions",
+        AC + "test_a_custom_vjp_and_a_full_precision_region_run_in_fp32_in_the_train_step"),
+    "keep every intermediate instead of recomputing the elementwise chains": (
+        AC + "test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass",),
+    "A small model to try them on": (PAGE_EXAMPLES,),
+    "outside autocast it is the function itself, under a name scope": (
+        AC + "test_full_precision_outside_autocast_is_the_function_under_a_name_scope",),
+    "Linen modules open one per module (named after the module)": (
+        AC + "test_linen_modules_open_a_scope_each_and_fp32_scopes_match_a_module_path",),
+    # FALSE for Equinox: "flax NNX and Equinox modules open none": Equinox's own layers open
+    # a scope each (`eqx.nn.Linear`, `eqx.nn.MLP/eqx.nn.Linear`); a user's eqx.Module opens none.
+    "so use `jax.named_scope` in the model or `full_precision` there": (
+        AC + "test_an_fp32_scope_that_matches_nothing_is_warned_about",),
+    "A scope that matches no op is warned about": (
+        AC + "test_an_fp32_scope_that_matches_nothing_is_warned_about",),
+    "The training CLI takes `python -m train --autocast`": (
+        "tests/train/test_cli.py::test_autocast_flag_trains_under_jaxamp_autocast",),
+}
+"""A short verbatim phrase of each claim of docs/concepts/autocast.md, and the tests that
+check it. The page's measured figures (compile times, GB on an H200) are the benchmarks'."""
+
+
+def _page_parts() -> tuple[str, dict[str, list[str]]]:
+    """The page's text with its whitespace collapsed, and the claims that must have a phrase:
+    the rows of the rules table and the bullets of "More of the contract", "Memory" and "Fused
+    attention", each collapsed too."""
+    text = (pathlib.Path(ROOT) / "docs" / "concepts" / "autocast.md").read_text()
+    sections = dict(re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, flags=re.M | re.S))
+
+    def bullets(body: str) -> list[str]:
+        items: list[str] = []
+        inside = False   # a bullet goes on over its indented lines
+        for line in body.splitlines():
+            if line.startswith("- "):
+                items.append(line[2:])
+                inside = True
+            elif inside and line.startswith("  "):
+                items[-1] += " " + line
+            else:
+                inside = False
+        return [" ".join(b.split()) for b in items]
+
+    rules = sections["The rules"]
+    table, contract = rules.split("More of the contract:", 1)
+    rows = [" ".join(r.split()) for r in table.splitlines() if re.match(r"\| `\w+` \|", r)]
+    parts = {"rules table": rows, "More of the contract": bullets(contract),
+             "Memory": bullets(sections["Memory"]),
+             "Fused attention": bullets(sections["Fused attention"])}
+    return " ".join(text.split()), parts
+
+
+def _defined_tests(path: str) -> set[str]:
+    tree = ast.parse((pathlib.Path(ROOT) / path).read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_every_claim_of_the_autocast_page_has_a_test():
+    page, parts = _page_parts()
+    # (a) every phrase is on the page, once: editing a claim means editing its entry here
+    missing = [p for p in PAGE_CLAIMS if page.count(" ".join(p.split())) != 1]
+    assert missing == [], missing
+    # (b) every row of the rules table and every bullet of the three lists has a phrase
+    assert all(parts.values()) and len(parts["rules table"]) == 5, parts
+    uncovered = [(k, item[:60]) for k, items in parts.items() for item in items
+                 if not any(" ".join(p.split()) in item for p in PAGE_CLAIMS)]
+    assert uncovered == [], uncovered
+    # (c) every test named exists (a parametrized one by its function's name)
+    files: dict[str, set[str]] = {}
+    for node in {n for nodes in PAGE_CLAIMS.values() for n in nodes}:
+        path, name = node.split("::")
+        if path not in files:
+            files[path] = _defined_tests(path)
+        assert name.split("[")[0] in files[path], node
+    # and the float32 row names exactly the primitives its test runs
+    row = next(r for r in parts["rules table"] if r.startswith("| `float32` |"))
+    assert set(re.findall(r"`(\w+)`", row.split("|")[2])) == set(FP32_RULE_OPS)
