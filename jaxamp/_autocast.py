@@ -16,7 +16,7 @@ rule            primitives
                 run in half precision as well. Accumulation is fp32 inside the kernel where
                 the backend does that (cuBLAS, cuDNN, XLA:CPU).
 ``float32``     exp, exp2, log, log1p, expm1, logistic, erf, erfc, erf_inv, pow, rsqrt,
-                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, and the
+                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, fft, and the
                 reductions ``reduce_sum`` and ``reduce_prod`` behind softmax, logsumexp,
                 normalization statistics and losses: floating inputs cast to fp32. Also
                 ``reduce_max``/``reduce_min`` (exact in any dtype), so that the sums in their
@@ -35,8 +35,10 @@ rule            primitives
                 params), so these run in fp32 for a model written in fp32.
 ==============  ==========================================================================
 
-Integer, boolean and PRNG-key values are never touched. Casts that ``fn`` itself makes
-(``x.astype(jnp.float32)``, JAX's own promotions) are kept, as ``torch.autocast`` keeps them.
+Integer, boolean and PRNG-key values are never touched. Casts that ``fn`` itself makes to a
+dtype other than the one it is traced in (to half precision, JAX's own promotions) are kept, as
+``torch.autocast`` keeps them; a cast to fp32 of a value ``fn`` computes in fp32 is no op in the
+fp32 trace (mark such a region with ``fp32_scopes`` or :func:`full_precision`).
 As in torch, an fp32 op returns fp32, which the next matmul casts back to the compute dtype;
 what ``fn`` returns is cast to ``policy.output_dtype``.
 
@@ -61,7 +63,7 @@ compute dtype, so it keeps no fp32 tensor for the backward pass; torch keeps its
 fp32 results. With
 ``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
 ``jax.checkpoint`` policy that keeps only the matmuls' outputs and operands (and those of
-collectives, sorts, FFTs, pools and cumulative ops): the elementwise chains between matmuls (a
+collectives, sorts, pools and cumulative ops): the elementwise chains between matmuls (a
 tanh GELU, a residual add, a mask) are recomputed in the backward pass, as PyTorch's fused GELU,
 softmax and norms keep only their inputs. A matmul's operand is not kept either where at most
 16 elementwise ops (an fp32 region counting as one) compute it from kept matmul outputs and the
@@ -70,7 +72,7 @@ first matmul's output and recomputes the GELU, so each keeps one tensor where it
 H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). Each step of a ``scan``
 outside a model's remat runs under the same policy, its inputs kept: the backward scan
 recomputes a step in that step, where the forward scan would otherwise run again first and stack
-every step's recomputed values. The arguments and their casts are never saved.
+every step's recomputed values. The arguments and their casts are never saved under it.
 
 Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
 (flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one) runs, under a half
@@ -130,7 +132,7 @@ __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
 
 _FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "pow",
             "rsqrt", "sqrt", "cbrt", "tan", "lgamma", "digamma", "cumsum", "cumprod",
-            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min")
+            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "fft")
 # Primitives whose rules were written for the dtypes they were traced with.
 _ORIGINAL = ("custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "xla_pmap", "pmap",
              "debug_callback", "pure_callback", "io_callback", "custom_transpose_call",
@@ -144,12 +146,14 @@ DEFAULT_RULES: Mapping[str, str] = {
 """The rule of every primitive that does not ``promote``: see the module docstring."""
 
 # Outputs kept for the backward pass under ``recompute=True``: the matmuls', and those of the
-# few other ops that are costly to run twice (collectives, sorts, FFTs, linear algebra,
-# pooling windows). Everything else between them is recomputed from these.
+# few other ops that are costly to run twice (collectives, sorts, linear algebra, pooling
+# windows). Everything else between them is recomputed from these. Not an FFT's: it runs in
+# fp32 and its output is complex, which jax.checkpoint's saved values do not take on jax 0.10
+# ("reduce_precision does not accept dtype complex64"); it runs again from its saved input.
 _SAVED = frozenset((*MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fwd",
                     "dot_product_attention_fwd_wrapper", "psum", "psum_invariant", "pmax",
                     "pmin", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
-                    "reduce_scatter", "psum_scatter", "sort", "top_k", "fft", "cholesky", "lu",
+                    "reduce_scatter", "psum_scatter", "sort", "top_k", "cholesky", "lu",
                     "qr", "eigh", "svd", "triangular_solve", "reduce_window_sum",
                     "reduce_window_max", "reduce_window_min", "reduce_window", "cumsum",
                     "cumlogsumexp", "cumprod", "cummax", "cummin"))
@@ -240,11 +244,12 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         ``float32``, ``promote``, ``original`` or ``fp8`` (``dot_general`` only; the default
         under the ``mixed_fp8`` policy).
       fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
-        run in fp32, matmuls included. Linen modules open a scope named after the module;
-        NNX modules and Equinox open none (use ``jax.named_scope`` there). A scope that
+        run in fp32, matmuls included. Linen modules open a scope named after the module,
+        Equinox's own layers one named after their class (``eqx.nn.Linear``); NNX modules and
+        the Equinox modules you write open none (use ``jax.named_scope`` there). A scope that
         matches no op is warned about.
       recompute: keep only the matmuls' outputs for the backward pass (and those of the few
-        other ops that are costly to run twice: collectives, sorts, FFTs, pooling windows),
+        other ops that are costly to run twice: collectives, sorts, pooling windows),
         and recompute the elementwise ops between them, as PyTorch's fused GELU, softmax and
         norms keep only their inputs. ``False`` keeps JAX's default: every intermediate the
         derivative reads (a tanh GELU alone saves six tensors of its input's size). Functions
@@ -420,7 +425,8 @@ def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...], scopes_seen: dict) -> N
     warnings.warn(
         f"autocast: fp32_scopes={fp32_scopes!r} matched no op, so nothing runs in fp32 "
         f"because of them; the name scopes in this function are: {shown or 'none'}. Flax Linen "
-        "modules open a scope named after the module; NNX modules and Equinox open none, so "
+        "modules open a scope named after the module, Equinox's own layers one named "
+        "after their class; NNX modules and the Equinox modules you write open none, so "
         "wrap the code in `with jax.named_scope('head'):` or use jaxamp.full_precision",
         UserWarning, stacklevel=3)
 

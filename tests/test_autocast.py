@@ -212,6 +212,7 @@ FP32_RULE_OPS = {
     "cumlogsumexp": lambda h: lax.cumlogsumexp(h, axis=1),
     "reduce_sum": lambda h: jnp.sum(h, -1), "reduce_prod": lambda h: jnp.prod(h, -1),
     "reduce_max": lambda h: jnp.max(h, -1), "reduce_min": lambda h: jnp.min(h, -1),
+    "fft": lambda h: jnp.abs(jnp.fft.rfft(h, axis=-1)),
 }
 """An op of each primitive of the ``float32`` rule, on a bf16 matmul's output."""
 
@@ -1417,6 +1418,59 @@ def test_an_fp32_scope_that_matches_nothing_is_warned_about():
     assert 0 < report.share("float32") < 0.5     # the head's matmuls, forward and backward
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_model_with_ffts_trains_under_autocast_as_in_fp32(recompute):
+    """An FFT runs in fp32 (`lax.fft` takes no half precision), and its complex output is not
+    a value autocast's checkpoint keeps (jax 0.10 cannot differentiate that): it runs again."""
+    def f(w, x):
+        h = x @ w
+        return (jnp.mean(jnp.abs(jnp.fft.rfft(h, axis=-1)))
+                + jnp.mean(jnp.real(jnp.fft.ifft(jnp.fft.fft(h, axis=-1))) ** 2))
+
+    got = jax.value_and_grad(jaxamp.autocast(f, recompute=recompute))(W, X)
+    want = jax.value_and_grad(f)(W, X)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=5e-2, atol=5e-3)
+    ffts = operand_dtypes(grad_of(jaxamp.autocast(f, recompute=recompute)), W, X,
+                          names=("fft",))
+    assert {dtype for _, dtype in ffts} <= {"float32", "complex64"} and ffts
+
+
+def test_a_cast_to_fp32_of_a_value_computed_in_fp32_leaves_the_rules_to_decide():
+    """`fn` is traced in fp32, where `(x @ w).astype(float32)` is no op: the mul after it runs
+    in the matmul's bf16 (torch's `.float()` would keep it fp32); `full_precision` keeps it."""
+    def f(w, x):
+        return (x @ w).astype(F32) * 3.0
+
+    def kept(w, x):
+        return jaxamp.full_precision(lambda h: h.astype(F32) * 3.0)(x @ w)
+
+    muls = [dict(operand_dtypes(jaxamp.autocast(g, "p=f32,c=bf16,o=f32"), W, X, names=("mul",)))
+            for g in (f, kept)]
+    assert muls == [{"mul": "bfloat16"}, {"mul": "float32"}]
+
+
+def test_equinox_layers_open_a_scope_named_after_their_class_a_users_module_none():
+    import equinox as eqx
+
+    class Net(eqx.Module):                          # a user's module: no scope of its own
+        body: eqx.nn.Linear
+        scale: jax.Array
+
+        def __call__(self, x):
+            return jax.vmap(self.body)(x) @ self.scale
+
+    net = Net(eqx.nn.Linear(16, 8, key=jax.random.key(0)), jnp.ones((8, 4)))
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+
+    def f(p, x):
+        return jnp.mean(eqx.combine(p, static)(x))
+    report = jaxamp.audit_grad(jaxamp.autocast(f, fp32_scopes=("eqx.nn.Linear",)), params, X)
+    assert 0 < report.share("float32") < 1     # the Linear's matmuls, not `@ self.scale`
+    with pytest.warns(UserWarning, match="matched no op"):
+        jax.make_jaxpr(jaxamp.autocast(f, fp32_scopes=("Net",)))(params, X)
+
+
 def test_shard_map_inside_and_outside_an_autocast_function():
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     x = jnp.tile(X, (2, 1))   # 8 rows: one per device
@@ -1462,11 +1516,9 @@ PAGE_CLAIMS = {
         AC + "test_vmap_of_an_autocast_function",
         AC + "test_pmap_and_an_8_way_sharded_jit_equal_one_device",
         AC + "test_shard_map_inside_and_outside_an_autocast_function"),
-    # FALSE in part: "on any JAX model": an rfft of a half-precision value fails under autocast
-    # (`lax.fft` takes no bf16), and the gradient of a complex FFT fails under recompute=True
-    # (JAX's remat inserts reduce_precision on the saved complex fft output).
     "(Flax NNX, Linen, Equinox, plain jnp)": (
-        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads",),
+        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads",
+        AC + "test_a_model_with_ffts_trains_under_autocast_as_in_fp32"),
     "costs nothing at run time beyond its casts": (
         AC + "test_the_program_is_fns_own_ops_with_the_rules_casts_inserted",),
     "Array arguments are traced; others (Python numbers, strings, flags) pass through as static "
@@ -1513,12 +1565,11 @@ PAGE_CLAIMS = {
     # More of the contract
     "Integer, boolean and PRNG-key values are never touched": (
         AC + "test_integers_booleans_and_keys_are_never_touched",),
-    # FALSE: "Casts that `fn` makes itself (`x.astype(jnp.float32)`, ...) are kept": a cast to
-    # fp32 of a value fn computes in fp32 as written (`(x @ w).astype(jnp.float32) * 3.0`) is
-    # not in the fp32 trace, so under autocast the mul runs in bf16 (torch runs it in fp32).
-    # What holds, a cast to a half dtype and JAX's promotions, is mapped:
     "JAX's own promotions) are kept": (
         AC + "test_a_half_cast_fn_makes_and_jaxs_own_promotions_are_kept",),
+    "a cast to fp32 of a value `fn` computes in fp32 (`(x @ w).astype(jnp.float32)`) leaves "
+    "nothing to keep": (
+        AC + "test_a_cast_to_fp32_of_a_value_computed_in_fp32_leaves_the_rules_to_decide",),
     "an fp32 op returns fp32, which the next matmul casts back to the compute dtype": (
         AC + "test_an_fp32_op_returns_fp32_and_the_next_matmul_casts_it_back",
         AC + "test_explain_overflow_and_audit_see_through_an_autocast_loss"),
@@ -1578,8 +1629,7 @@ PAGE_CLAIMS = {
     "keeps only the matmuls' operands and outputs": (
         AC + "test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass",
         AC + "test_recompute_keeps_the_scores_not_the_probabilities"),
-    # FALSE for FFTs: a complex FFT's output is kept, and JAX cannot differentiate that
-    # checkpoint (see "on any JAX model" above). Collectives: no test of their outputs here.
+    # Collectives: no test of their outputs here (they need a mapped axis).
     "pooling windows and cumulative ops)": (
         AC + "test_recompute_keeps_the_outputs_of_sorts_pooling_windows_and_cumulative_ops",),
     "`recompute=False` keeps JAX's default: every intermediate the derivative reads": (
@@ -1598,9 +1648,8 @@ PAGE_CLAIMS = {
     "**A scan is recomputed one step at a time.**": (
         AC + "test_a_scan_is_recomputed_step_by_step_in_the_backward_pass",
         GPU + "test_memory_goal_of_a_scanned_transformer_under_autocast"),
-    # FALSE: "The arguments and their casts are never saved." With recompute=False the matmuls'
-    # bf16 casts of the arguments are saved (JAX's default); under recompute=True they are not:
-    # tests/test_autocast.py::test_under_recompute_the_arguments_and_their_casts_are_not_saved
+    "Under `recompute=True` the arguments and their casts are never saved": (
+        AC + "test_under_recompute_the_arguments_and_their_casts_are_not_saved",),
     # Fused attention
     "as cuDNN's fused flash attention wherever the step is compiled for an NVIDIA GPU": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
@@ -1655,8 +1704,8 @@ PAGE_CLAIMS = {
         AC + "test_full_precision_outside_autocast_is_the_function_under_a_name_scope",),
     "Linen modules open one per module (named after the module)": (
         AC + "test_linen_modules_open_a_scope_each_and_fp32_scopes_match_a_module_path",),
-    # FALSE for Equinox: "flax NNX and Equinox modules open none": Equinox's own layers open
-    # a scope each (`eqx.nn.Linear`, `eqx.nn.MLP/eqx.nn.Linear`); a user's eqx.Module opens none.
+    "Equinox's own layers open one named after their class (`eqx.nn.Linear`)": (
+        AC + "test_equinox_layers_open_a_scope_named_after_their_class_a_users_module_none",),
     "so use `jax.named_scope` in the model or `full_precision` there": (
         AC + "test_an_fp32_scope_that_matches_nothing_is_warned_about",),
     "A scope that matches no op is warned about": (
