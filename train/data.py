@@ -637,6 +637,31 @@ class TextBatches(Iterator[dict[str, np.ndarray]]):
         return {"tokens": tokens_bxL, "targets": windows_bxW, "mask": mask_bxL}
 
 
+def text_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
+    """Every next-token target of a token stream once: the stream cut into consecutive windows of
+    ``seq_len + 1`` tokens that overlap by one (window ``i`` starts at ``i * seq_len``), as
+    ``{"tokens", "targets"}`` batches of ``batch_size`` windows, the last batch holding the rest.
+    The final ``< seq_len`` targets that fill no window are left out.
+
+    The eval of the whole held-out split (``eval_batches=0``): no draw, the same batches for any
+    seed, every target weighted alike.
+
+    >>> batches = text_windows(encode("abcdefghij"), batch_size=2, seq_len=3)
+    >>> [[decode(t) for t in b["targets"]] for b in batches]
+    [['bcd', 'efg'], ['hij']]
+    """
+    stream = np.asarray(tokens).reshape(-1)
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    count = (len(stream) - 1) // seq_len
+    if count < 1:
+        raise ValueError(f"the stream has {len(stream)} tokens, fewer than a window of "
+                         f"{seq_len + 1} (seq_len={seq_len}); use a shorter seq_len")
+    windows_NxW = stream[np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)]
+    windows_NxW = windows_NxW.astype(np.int32)
+    return [{"tokens": w[:, :-1], "targets": w[:, 1:]}
+            for w in np.split(windows_NxW, range(batch_size, count, batch_size))]
+
+
 # Prefetching.
 
 _ITEM, _END, _ERROR = range(3)

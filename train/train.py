@@ -15,6 +15,7 @@ non-finite at the minimum loss scale (``stall_after`` steps in a row) stops with
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -265,8 +266,16 @@ def build_data(config: Config):
         batches = data_lib.TextBatches(tokens[:-n_eval], config.batch_size, config.seq_len,
                                        config.seed, mlm=mlm, process_index=pidx,
                                        process_count=pcount)
-        evals = data_lib.TextBatches(tokens[-n_eval:], config.batch_size, config.seq_len,
-                                     config.seed + 1, mlm=mlm, process_index=0, process_count=1)
+        if config.eval_batches == 0:  # the whole split, each target once
+            if mlm:
+                raise ValueError("eval_batches=0 (the whole held-out split) evaluates next-token "
+                                 "tasks and classification; the mlm task's masks are drawn: "
+                                 "give eval_batches > 0")
+            evals = data_lib.text_windows(tokens[-n_eval:], config.batch_size, config.seq_len)
+        else:
+            evals = data_lib.TextBatches(tokens[-n_eval:], config.batch_size, config.seq_len,
+                                         config.seed + 1, mlm=mlm, process_index=0,
+                                         process_count=1)
         return batches, evals, {"vocab": data_lib.BYTE_VOCAB}
     if config.task == "synthetic_images":
         arrays = data_lib.synthetic_images(4096, (config.image_size, config.image_size, 3),
@@ -279,7 +288,8 @@ def build_data(config: Config):
     batches = data_lib.Batches(train_arrays, config.batch_size, config.seed,
                                process_index=pidx, process_count=pcount)
     evals = data_lib.Batches(eval_arrays, config.batch_size, config.seed + 1, shuffle=False,
-                             drop_remainder=False, process_index=0, process_count=1)
+                             drop_remainder=False, process_index=0, process_count=1,
+                             num_epochs=1 if config.eval_batches == 0 else None)
     num_classes = int(max(int(arrays["label"].max()) + 1, config.num_classes))
     return batches, evals, {"num_classes": num_classes,
                             "in_channels": int(arrays["image"].shape[-1])}
@@ -407,7 +417,9 @@ class _Stop:
 def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags: dict,
              evals, *, autocast: bool = False) -> dict:
     """Mean loss (and accuracy for classification) over up to ``config.eval_batches`` batches,
-    computed as the step computes it (under ``jaxamp.autocast`` when the step is)."""
+    or with ``eval_batches=0`` over the whole held-out split, each example (each next-token
+    target) weighted alike; computed as the step computes it (under ``jaxamp.autocast`` when the
+    step is)."""
     policy = state.policy
     kwargs = {"model_state": state.model_state} if flags.get("has_model_state") else {}
     if autocast:
@@ -418,15 +430,20 @@ def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags:
         out = loss_fn(params, policy.cast_to_compute(batch), **kwargs)
         return out[0], out[-1]
 
-    losses, accs = [], []
-    for _, batch in zip(range(config.eval_batches), evals, strict=False):
+    losses, accs, sizes = [], [], []
+    batches = evals if config.eval_batches == 0 else itertools.islice(evals, config.eval_batches)
+    for batch in batches:
         loss, aux = eval_step(state.params, batch)
         losses.append(float(loss))
+        sizes.append(len(next(iter(batch.values()))))
         if isinstance(aux, dict) and "accuracy" in aux:
             accs.append(float(aux["accuracy"]))
-    out = {"eval_loss": float(np.mean(losses))}
+    # Batches of one size (eval_batches > 0) average as they always have; the whole split's
+    # last, smaller batch weighs its examples alike.
+    weights = sizes if len(set(sizes)) > 1 else None
+    out = {"eval_loss": float(np.average(losses, weights=weights))}
     if accs:
-        out["eval_accuracy"] = float(np.mean(accs))
+        out["eval_accuracy"] = float(np.average(accs, weights=weights))
     return out
 
 

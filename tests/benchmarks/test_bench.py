@@ -315,3 +315,103 @@ def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
     assert options is not None and options["xla_backend_optimization_level"] == 0
     assert set(options) <= set(harness._TINY_CPU_OPTIONS)
     jax.jit(lambda x: x * 2).lower(1.0).compile(options)
+
+
+def test_numerics_suite_evaluates_each_arm_on_the_whole_split(tiny_runs):
+    out, _ = tiny_runs
+    runs = read_jsonl(out / "numerics_runs.jsonl")
+    assert [(r["arm"], r["seed"]) for r in runs] == [("bf16", 0), ("fp32", 0)]
+    for r in runs:
+        assert r["curve_step"] == [1, 2, 3, 4] and np.all(np.isfinite(r["curve_loss"]))
+    # bf16 and fp32 of the same seed start from the same init and see the same batches.
+    assert abs(runs[1]["eval_loss"] / runs[0]["eval_loss"] - 1) < 1e-3
+    rows = {(r["arm"], r["vs"]): r for r in read_jsonl(out / "numerics.jsonl")}
+    assert set(rows) == {("bf16", None), ("fp32", "bf16")}
+    null = rows["fp32", "bf16"]
+    assert null["seeds"] == 1 and null["gap"] == pytest.approx(runs[1]["eval_loss"]
+                                                              / runs[0]["eval_loss"] - 1)
+    assert null["ci_high"] is None and null["holds"] is None  # one seed: no interval
+    assert (out / "numerics.png").stat().st_size > 10_000
+
+
+def _numerics_rows(losses: dict[str, list[float]], model: str = "char") -> list[dict]:
+    return [{"model": model, "arm": arm, "seed": seed, "steps": 3, "eval_loss": loss,
+             "curve_step": [1, 2, 3], "curve_loss": [3.0 * loss, 2.0 * loss, loss]}
+            for arm, values in losses.items() for seed, loss in enumerate(values)]
+
+
+def test_the_numerics_interval_is_students_t_on_the_paired_gaps():
+    from benchmarks import numerics
+    mean, low, high = numerics.interval([0.01, 0.03])
+    half = 12.706204736174707 * 0.01 * 2**0.5 / 2**0.5  # t(0.975, 1) * sd / sqrt(n)
+    assert (mean, low, high) == pytest.approx((0.02, 0.02 - half, 0.02 + half))
+    gaps = [0.004, 0.006, 0.005, 0.003, 0.007, 0.005, 0.004, 0.006, 0.005, 0.005]
+    mean, low, high = numerics.interval(gaps)
+    sd = np.std(gaps, ddof=1)
+    assert (low, high) == pytest.approx((mean - 2.2621571627 * sd / 10**0.5,
+                                         mean + 2.2621571627 * sd / 10**0.5))
+    assert numerics.interval([0.02]) == (0.02, None, None)
+
+
+def test_numerics_pairs_runs_by_seed_and_holds_a_goal_on_the_upper_bound(tmp_path):
+    from benchmarks import numerics
+    bf16 = [2.0, 2.1, 1.9, 2.0]
+    rows = _numerics_rows({
+        "bf16": bf16,
+        # +1.0% on every seed: the interval is a point, under the 1.5% goal.
+        "fp8_current": [x * 1.01 for x in bf16],
+        # fp8_current +0.1%, +0.4%, -0.1%: mean 0.13%, upper bound 0.51% > 0.25%.
+        "fp8_delayed": [x * 1.01 * g for x, g in zip(bf16, (1.001, 1.004, 0.999), strict=False)],
+        "fp32": bf16[:2],  # seeds 0 and 1 only
+    })
+    rows.append({**rows[0], "arm": "kahan", "seed": 7})  # no bf16 run of seed 7: not paired
+    got = {(r["arm"], r["vs"]): r for r in numerics.summarize(rows)}
+    assert got["fp8_current", "bf16"]["gap"] == pytest.approx(0.01)
+    assert got["fp8_current", "bf16"]["ci_high"] == pytest.approx(0.01)
+    assert got["fp8_current", "bf16"]["holds"] is True
+    delayed = got["fp8_delayed", "fp8_current"]
+    assert delayed["seeds"] == 3 and delayed["goal"] == 0.0025
+    assert delayed["gap"] == pytest.approx(0.004 / 3) and delayed["ci_high"] > 0.0025
+    assert delayed["holds"] is False
+    assert got["fp8_delayed", "bf16"]["goal"] is None  # its goal compares with fp8_current
+    assert got["fp32", "bf16"]["seeds"] == 2 and got["fp32", "bf16"]["gap"] == 0.0
+    assert got["kahan", "bf16"]["seeds"] == 0 and got["kahan", "bf16"]["gap"] is None
+    assert got["bf16", None]["eval_loss"] == pytest.approx(2.0)
+    numerics.plot(rows, str(tmp_path / "numerics.png"))
+    assert (tmp_path / "numerics.png").stat().st_size > 10_000
+
+
+def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, monkeypatch):
+    from benchmarks import numerics
+    trained = []
+
+    def fake_train(model, arm, seed, steps, tiny):
+        trained.append((model, arm, seed))
+        return {**_numerics_rows({arm: [2.0 + seed]}, model)[0], "seed": seed, "steps": steps,
+                "tiny": tiny, "seconds": 0.0}
+
+    monkeypatch.setattr(numerics, "_train", fake_train)
+    path = str(tmp_path / "numerics_runs.jsonl")
+    first = [("char", a, s) for s in range(2) for a in ("bf16", "fp32")]
+    numerics.run_protocol(first, 3, False, path)
+    assert trained == first
+    more = first + [("char", a, 2) for a in ("bf16", "fp32")] + [("wide", "bf16", 0)]
+    rows = numerics.run_protocol(more, 3, False, path)
+    assert trained == more  # the first four were not run again
+    assert [(r["model"], r["arm"], r["seed"]) for r in rows] == more
+    assert len(numerics.read_runs(path)) == 7
+    numerics.run_protocol(more, 4, False, path)  # other steps: other runs
+    assert len(trained) == 14
+
+
+def test_numerics_runs_the_twin_and_every_arm_a_goal_compares_with():
+    from benchmarks import numerics
+    assert numerics.arms_to_run(["fp8_delayed"]) == ["bf16", "fp8_current", "fp8_delayed"]
+    assert numerics.arms_to_run(["fp32"]) == ["bf16", "fp32"]
+    with pytest.raises(ValueError, match="unknown arm.*fp9"):
+        numerics.arms_to_run(["fp9"])
+    config = numerics._config("wide", "kahan_bf16_moments", 3, 1500, tiny=False)
+    assert (config.master, config.moments_dtype, config.precision) == (
+        "kahan", "bfloat16", "mixed_bfloat16")
+    assert config.model_overrides == {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}
+    assert config.eval_batches == 0 and config.seed == 3 and config.model == "gpt_tiny"

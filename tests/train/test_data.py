@@ -333,6 +333,23 @@ def test_text_batches_errors():
         D.TextBatches(np.arange(50), 1, 5, mlm=True, mask_token=300, **ONE)
 
 
+@pytest.mark.parametrize("n, batch_size, seq_len", [(500, 8, 12), (13, 2, 3), (7, 4, 6)])
+def test_text_windows_predict_every_target_once_in_order(n, batch_size, seq_len):
+    stream = (np.arange(n) * 7919) % 256  # distinct neighbours: a target's place is its token
+    batches = D.text_windows(stream, batch_size, seq_len)
+    tokens = np.concatenate([b["tokens"] for b in batches])
+    targets = np.concatenate([b["targets"] for b in batches])
+    count = (n - 1) // seq_len
+    assert [len(b["tokens"]) for b in batches[:-1]] == [batch_size] * (len(batches) - 1)
+    assert tokens.shape == targets.shape == (count, seq_len) and targets.dtype == np.int32
+    # Targets 1 .. count * seq_len, each once and in order; each follows its own token.
+    np.testing.assert_array_equal(targets.reshape(-1), stream[1:count * seq_len + 1])
+    np.testing.assert_array_equal(tokens.reshape(-1), stream[:count * seq_len])
+    assert_tree_bitwise_equal(batches, D.text_windows(stream, batch_size, seq_len))
+    with pytest.raises(ValueError, match=r"fewer than a window of 13 \(seq_len=12\)"):
+        D.text_windows(np.arange(12), 2, 12)
+
+
 # --------------------------------------------------------------------------------------------
 # Several processes
 # --------------------------------------------------------------------------------------------

@@ -273,6 +273,33 @@ def test_eval_loss_keeps_running_statistics():
     assert_tree_bitwise_equal(new_state, state.model_state)
 
 
+@pytest.mark.parametrize("task", ["text", "digits"])
+def test_the_whole_split_eval_weighs_every_example_alike(task):
+    """``eval_batches=0``: the whole held-out split, its last, smaller batch weighted by its size
+    (a mean of the batches' means would count the one window of the last batch 1456 times)."""
+    from train import train as train_lib
+    from train.configs import get_config
+    batch_size = {"text": 1456, "digits": 100}[task]  # 2913 windows; 360 images: 3 x 100 + 60
+    config = get_config("text" if task == "text" else "default", precision="float32",
+                        batch_size=batch_size, seq_len=16, eval_batches=0,
+                        model_overrides={"gpt": {"depth": 1, "width": 32, "mlp": 64},
+                                         "resnet": {"width": 8, "stage_sizes": (1, 1)}})
+    policy = jaxamp.get_policy("float32")
+    _, evals, meta = train_lib.build_data(config)
+    params, model_state, _, eval_fn, flags = train_lib.build_model(config, policy, meta)
+    state = train_lib.create_train_state(config, policy, params, model_state)
+    evals = list(evals)
+    sizes = [len(b["label" if task == "digits" else "tokens"]) for b in evals]
+    assert sizes[:-1] == [batch_size] * (len(sizes) - 1) and 0 < sizes[-1] < batch_size
+    got = train_lib.evaluate(config, state, eval_fn, flags, evals)
+    whole = jax.tree.map(lambda *x: np.concatenate(x), *evals)
+    kwargs = {"model_state": state.model_state} if flags.get("has_model_state") else {}
+    out = jax.jit(eval_fn)(state.params, whole, **kwargs)
+    np.testing.assert_allclose(got["eval_loss"], float(out[0]), rtol=2e-6)
+    if task == "digits":
+        np.testing.assert_allclose(got["eval_accuracy"], float(out[-1]["accuracy"]), rtol=2e-6)
+
+
 def test_gpt_is_causal():
     _, graphdef, state, _ = setup("gpt_tiny", "float32")
     forward = jit(lambda p, t: models.merge(graphdef, p)(t))

@@ -47,7 +47,7 @@ class Config:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     log_every: int = 10
-    eval_batches: int = 8
+    eval_batches: int = 8  # 0: the whole held-out split (every target once; not mlm)
     seq_len: int = 64
     image_size: int = 32  # synthetic images
     num_classes: int = 10
