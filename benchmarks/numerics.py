@@ -24,7 +24,8 @@ The protocol, for any recipe (a precision, an FP8 recipe, a master or moments op
 
 Outputs in ``--out``: ``numerics_runs.jsonl``, one row per run with its loss curve, appended as
 each run ends. A run already there (same model, arm, seed and steps) is not run again, so an
-interrupted protocol resumes where it stopped and more seeds or arms add to it.
+interrupted protocol resumes where it stopped, more seeds or arms add to it, and two processes
+(one per core, e.g. one per group of arms) can share the file.
 ``numerics.jsonl`` and the printed table: per model and arm, the mean gap, its interval and the
 goal. ``numerics.png``: the training loss of each arm (seed mean, band min to max) and each
 arm's paired gap to the twin along training (mean and 95% band). Progress goes to stderr.
@@ -161,6 +162,10 @@ def run_protocol(plan: list[tuple[str, str, int]], steps: int, tiny: bool, path:
               f"{len(todo)} to run")
     spent = []
     for i, (model, arm, seed) in enumerate(todo):
+        # Another process may share the file (one per core): what it has done is not redone.
+        done.update((_key(r), r) for r in read_runs(path))
+        if (model, arm, seed, steps, tiny) in done:
+            continue
         row = _train(model, arm, seed, steps, tiny)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")

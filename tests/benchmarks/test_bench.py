@@ -2,6 +2,7 @@
 compare like with like."""
 
 import importlib.util
+import json
 import os
 
 import jax
@@ -402,6 +403,20 @@ def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, mon
     assert len(numerics.read_runs(path)) == 7
     numerics.run_protocol(more, 4, False, path)  # other steps: other runs
     assert len(trained) == 14
+    # A run another process appends while this one works through its plan is not run again.
+    other = ("char", "fp8_current", 0)
+    real_train = fake_train
+
+    def train_while_another_process_appends(model, arm, seed, steps, tiny):
+        row = real_train(model, arm, seed, steps, tiny)
+        with open(path, "a") as f:
+            f.write(json.dumps({**row, "arm": other[1], "seed": other[2]}) + "\n")
+        return row
+
+    monkeypatch.setattr(numerics, "_train", train_while_another_process_appends)
+    rows = numerics.run_protocol([("char", "kahan", 0), other], 3, False, path)
+    assert trained[-1] == ("char", "kahan", 0) and len(trained) == 15
+    assert [r["arm"] for r in rows] == ["kahan", "fp8_current"]
 
 
 def test_numerics_runs_the_twin_and_every_arm_a_goal_compares_with():
