@@ -346,9 +346,11 @@ def _devices(params: Any) -> float:
 
 
 HIGHER_ORDER: dict[str, HigherOrder] = {
+    # `closed_call` is named `eval_jaxpr` from jax 0.11 on (what partial evaluation makes of a
+    # scan's known part, and `jax.extend.core.jaxpr_as_fun` of a jaxpr that holds one).
     **{name: HigherOrder("call", _one_body(key), _run_body(key), inline=True)
        for name, key in (("pjit", "jaxpr"), ("jit", "jaxpr"), ("closed_call", "call_jaxpr"),
-                         ("core_call", "call_jaxpr"))},
+                         ("eval_jaxpr", "call_jaxpr"), ("core_call", "call_jaxpr"))},
     **{name: HigherOrder("remat", _one_body("jaxpr"), _run_remat, inline=True)
        for name in ("checkpoint", "remat", "remat2")},
     "custom_jvp_call": HigherOrder("custom", _one_body("call_jaxpr"),
