@@ -56,7 +56,7 @@ def _parsers(loaded: tuple[str, ...]) -> tuple[argparse.ArgumentParser,
     for name in SUITES:
         doc = suite_doc(name)
         summary = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1].split(". ")[0]
-        suites[name] = p = sub.add_parser(name, help=summary, description=doc,
+        suites[name] = p = sub.add_parser(name, help=summary.replace("%", "%%"), description=doc,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_common(p)
         if name in loaded:
