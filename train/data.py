@@ -569,9 +569,7 @@ class TextBatches(Iterator[dict[str, np.ndarray]]):
         _check_positive(batch_size=batch_size, seq_len=seq_len)
         _check_seed(seed)
         window = seq_len if mlm else seq_len + 1  # next-token windows carry one extra target
-        if len(self._tokens) < window:
-            raise ValueError(f"the stream has {len(self._tokens)} tokens, fewer than a window of "
-                             f"{window} (seq_len={seq_len}); use a shorter seq_len")
+        _check_window(self._tokens, window, seq_len)
         if mlm:
             if not 0.0 < mask_rate < 1.0:
                 raise ValueError(f"mask_rate={mask_rate!r}; expected a fraction in (0, 1)")
@@ -652,10 +650,8 @@ def text_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> list[dict
     """
     stream = np.asarray(tokens).reshape(-1)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_window(stream, seq_len + 1, seq_len)
     count = (len(stream) - 1) // seq_len
-    if count < 1:
-        raise ValueError(f"the stream has {len(stream)} tokens, fewer than a window of "
-                         f"{seq_len + 1} (seq_len={seq_len}); use a shorter seq_len")
     windows_NxW = stream[np.arange(count)[:, None] * seq_len + np.arange(seq_len + 1)]
     windows_NxW = windows_NxW.astype(np.int32)
     return [{"tokens": w[:, :-1], "targets": w[:, 1:]}
@@ -836,6 +832,12 @@ def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if operator.index(value) < 1:
             raise ValueError(f"{name}={value}; expected a positive integer")
+
+
+def _check_window(stream: np.ndarray, window: int, seq_len: int) -> None:
+    if len(stream) < window:
+        raise ValueError(f"the stream has {len(stream)} tokens, fewer than a window of "
+                         f"{window} (seq_len={seq_len}); use a shorter seq_len")
 
 
 def _check_seed(seed: int) -> None:
