@@ -26,8 +26,10 @@ rule            primitives
                 (``x * 0.5``) adopts the others' dtype. A single-input op follows its input.
 ``fp8``         ``dot_general`` under a policy with ``fp8=True`` (``mixed_fp8``): the operands
                 cast to the compute dtype, then quantized to e4m3 with current scaling, the
-                gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`); the output is in the
-                compute dtype. Convolutions keep the ``compute`` rule: FP8 is for matmuls.
+                gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`), or with the policy's
+                ``fp8`` recipe (:class:`jaxamp.fp8.CurrentScaling`: rowwise or block
+                scales); the output is in the compute dtype. Convolutions keep the
+                ``compute`` rule: FP8 is for matmuls.
 ``original``    the dtypes of ``fn`` as written: inside :func:`full_precision`, and for
                 ``custom_vjp`` functions, ``shard_map`` and ``pmap`` bodies and callbacks,
                 whose rules were written for those dtypes. ``fn`` is traced with its bf16
@@ -278,7 +280,9 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     if policy.fp8 and (rules is None or "dot_general" not in rules):
         checked = {**checked, "dot_general": "fp8"}
     context = _Context(policy.compute_dtype, checked, _check_scopes(fp32_scopes),
-                       regions=jnp.dtype(policy.compute_dtype) != jnp.float32)
+                       regions=jnp.dtype(policy.compute_dtype) != jnp.float32,
+                       fp8_recipe=policy.fp8 if isinstance(policy.fp8, fp8.CurrentScaling)
+                       else fp8.CurrentScaling())
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -396,6 +400,7 @@ class _Context:
     fp32_scopes: tuple[str, ...]
     regions: bool = True
     all_float32: bool = False  # inside an fp32 region
+    fp8_recipe: Any = None  # the jaxamp.fp8.CurrentScaling of the "fp8" rule
     # Inside a model's own remat (under recompute=True): its policy (the outermost's, as JAX
     # applies it), which alone decides what is kept there.
     model_remat: Callable[..., Any] | None = None
@@ -1109,7 +1114,7 @@ class _Fp8(_Compute):
     def bind(self, ctx, eqn, invals):
         lhs, rhs = invals
         return [fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"],
-                                preferred_element_type=ctx.compute)]
+                                preferred_element_type=ctx.compute, recipe=ctx.fp8_recipe)]
 
 
 _RULES: dict[str, _Rule] = {"compute": _Compute(), "float32": _Float32(), "promote": _Rule(),

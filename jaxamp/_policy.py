@@ -28,6 +28,7 @@ from jax.typing import DTypeLike
 from jaxamp._tree import cast_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
+from jaxamp.fp8 import CurrentScaling
 
 __all__ = ["PRESETS", "Policy", "get_policy", "resolve_auto"]
 
@@ -98,6 +99,13 @@ def _as_float_dtype(value: Any, *, what: str, context: str = "") -> np.dtype:
     return dtype
 
 
+def _check_fp8(fp8: Any) -> None:
+    if not isinstance(fp8, bool | CurrentScaling):
+        raise TypeError(f"Policy(fp8=...) takes True, False or a jaxamp.fp8.CurrentScaling "
+                        f"recipe, got {fp8!r}; delayed scaling keeps state in the model: use "
+                        "the layers of jaxamp.fp8")
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A mixed-precision policy.
@@ -110,10 +118,11 @@ class Policy:
         matches ``regex`` (``re.search``) has ``dtype`` as its working dtype instead of
         ``compute_dtype``. The first matching rule wins.
       name: the preset or string this policy was parsed from (informational).
-      fp8: run matmuls (``dot_general``) in FP8 under :func:`jaxamp.autocast`: e4m3 operands
-        in the forward pass, e5m2 gradients, each tensor scaled by its own amax
-        (:func:`jaxamp.fp8.fp8_dot_general`). Everything else follows ``compute_dtype``. The
-        ``mixed_fp8`` preset sets it.
+      fp8: run matmuls (``dot_general``) in FP8 under :func:`jaxamp.autocast`: ``True`` for
+        e4m3 operands in the forward pass, e5m2 gradients, each tensor scaled by its own amax
+        (:func:`jaxamp.fp8.fp8_dot_general`), or a :class:`jaxamp.fp8.CurrentScaling` recipe
+        (rowwise or block scales, a weight gradient in high precision). Everything else follows
+        ``compute_dtype``. The ``mixed_fp8`` preset sets ``True``.
 
     >>> import jax.numpy as jnp
     >>> p = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
@@ -135,11 +144,13 @@ class Policy:
     instead of ``compute_dtype``; the first matching rule wins."""
     name: str = dataclasses.field(default="", compare=False)
     """The preset or string this policy was parsed from; informational, ignored by ``==``."""
-    fp8: bool = False
-    """Whether :func:`jaxamp.autocast` runs matmuls in FP8 with current scaling; the
-    ``mixed_fp8`` preset sets it."""
+    fp8: Any = False
+    """Whether :func:`jaxamp.autocast` runs matmuls in FP8 with current scaling: ``False``,
+    ``True`` (per-tensor scales) or a :class:`jaxamp.fp8.CurrentScaling` recipe; the
+    ``mixed_fp8`` preset sets ``True``."""
 
     def __post_init__(self):
+        _check_fp8(self.fp8)
         for field in ("param", "compute", "output"):
             dtype = _as_float_dtype(getattr(self, f"{field}_dtype"), what=field)
             object.__setattr__(self, f"{field}_dtype", dtype)
@@ -164,8 +175,10 @@ class Policy:
             return _SHORT_NAME.get(jnp.dtype(d), jnp.dtype(d).name)
         s = (f"p={short(self.param_dtype)},c={short(self.compute_dtype)},"
              f"o={short(self.output_dtype)}")
-        if self.fp8:
+        if self.fp8 is True:
             s += ",matmul=fp8"
+        elif self.fp8:
+            s += f",matmul=fp8({self.fp8.granularity})"
         if self.overrides:
             s += " overrides=" + ",".join(f"{p!r}:{short(d)}" for p, d in self.overrides)
         return s

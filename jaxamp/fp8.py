@@ -10,7 +10,8 @@ overflows fp32, from a tiny ``amax``) keeps the previous scale.
 
 Two recipes:
 
-* :class:`CurrentScaling` (stateless): each tensor's ``amax`` is computed on the fly.
+* :class:`CurrentScaling` (stateless): each tensor's ``amax`` is computed on the fly; or each
+  row's, tile's or block's (``granularity``: :func:`quantize_blocks`).
   :func:`fp8_dot_general` is a drop-in ``lax.dot_general``; ``jaxamp.autocast`` under the
   ``mixed_fp8`` policy runs every ``dot_general`` of any model through it.
 * :class:`DelayedScaling`: the scales come from a history of the ``amax`` of past steps, kept in
@@ -61,11 +62,11 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
     from jaxamp._fp8_nnx import Fp8Meta
     from jaxamp._fp8_nnx import Linear
 
-__all__ = ["AMAX_ALGOS", "FORMATS", "CurrentScaling", "DelayedScaling", "DotGeneral",
-           "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear", "amax", "compute_scale",
-           "delayed_dot_general", "dequantize", "find_fp8_states", "fp8_dot_general", "fp8_max",
-           "quantize",
-           "update_fp8_state"]
+__all__ = ["AMAX_ALGOS", "FORMATS", "GRANULARITIES", "WEIGHT_GRADS", "CurrentScaling",
+           "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear",
+           "amax", "block_scales", "compute_scale", "delayed_dot_general", "dequantize",
+           "dequantize_blocks", "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize",
+           "quantize_blocks", "round_to_power_of_two", "update_fp8_state"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -92,32 +93,109 @@ def _check_margin(margin: Any) -> None:
                          f"{margin!r}")
 
 
+GRANULARITIES = ("tensor", "rowwise", "blocks", "mxfp8")
+"""How many scales a matmul's operand gets: one per tensor; one per row along the contraction
+(``rowwise``); one per ``1 x 128`` tile of the contraction axis, ``128 x 128`` for the forward's
+rhs (``blocks``, DeepSeek-V3's recipe); one power-of-two scale per ``1 x 32`` tile (``mxfp8``)."""
+_BLOCK_SIZES = {"blocks": 128, "mxfp8": 32}
+WEIGHT_GRADS = ("fp8", "high")
+"""The weight-gradient GEMM (the forward rhs's gradient) in FP8, or in the operands' own dtype
+(``"high"``: torchao's ``rowwise_with_gw_hp``)."""
+
+
+def _check_power_of_two(p: Any) -> None:
+    if not isinstance(p, bool):
+        raise ValueError(f"power_of_two must be True or False, got {p!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
-    """Stateless FP8 scaling: each tensor is scaled by its own ``amax``, computed on the fly.
+    """Stateless FP8 scaling: each tensor, row or block is scaled by its own ``amax``, computed
+    on the fly.
 
     Attributes:
-      format: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default), ``"e4m3"`` or ``"e5m2"``.
+      format: ``"hybrid"`` (e4m3 forward, e5m2 gradients), ``"e4m3"`` or ``"e5m2"``. Default:
+        ``"hybrid"`` for per-tensor scales, ``"e4m3"`` (every tensor, gradients too) for the
+        fine granularities, as the recipes that use them do.
       margin: the scale is divided by ``2**margin`` (headroom against saturation).
+      granularity: one of :data:`GRANULARITIES`. ``"tensor"`` (default): one scale per
+        operand. ``"rowwise"``: one per row of each operand along its contraction axes, in each
+        of the three GEMMs (the backward pass quantizes the saved operands again along its own
+        contraction axes). ``"blocks"``: one per ``1 x block_size`` tile of the last contraction
+        axis, and one per ``block_size x block_size`` block (the last contraction axis by the
+        last free axis) of the forward's rhs, the weight under ``x @ w``. ``"mxfp8"``: one
+        power-of-two scale per ``1 x block_size`` tile, every operand.
+      block_size: the tile length of ``"blocks"`` (default 128) and ``"mxfp8"`` (default 32);
+        ``None`` for the others.
+      power_of_two: round each scale down to a power of two (exact to apply and to undo, never
+        saturating). Default: ``True`` for ``"mxfp8"`` (its E8M0 scales), else ``False``.
+      weight_grad: ``"fp8"`` (default) or ``"high"``: the weight-gradient GEMM (of the
+        forward's rhs) in the operands' own dtype (bf16 under ``mixed_fp8``).
+
+    ``"tensor"`` and ``"rowwise"`` multiply 8-bit operands (an FP8 GEMM, the scales applied to
+    its fp32 output). ``"blocks"`` and ``"mxfp8"`` have scales that vary along the contraction:
+    they are emulated, each operand quantized and dequantized to fp32 and the matmul run in
+    fp32 (``Precision.HIGHEST``), which computes what a block-scaled kernel computes (exact
+    products, an fp32 accumulator), not at its speed.
 
     >>> CurrentScaling().dtypes
     (dtype(float8_e4m3fn), dtype(float8_e5m2))
+    >>> r = CurrentScaling(granularity="mxfp8")
+    >>> r.format, r.block_size, r.power_of_two
+    ('e4m3', 32, True)
     """
 
-    format: str = "hybrid"
-    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default),
-    ``"e4m3"`` or ``"e5m2"``."""
+    format: str = None  # type: ignore[assignment]  # resolved in __post_init__
+    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients), ``"e4m3"`` or
+    ``"e5m2"``; by default ``"hybrid"`` for ``granularity="tensor"``, else ``"e4m3"``."""
     margin: int = 0
     """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
+    granularity: str = "tensor"
+    """One of :data:`GRANULARITIES`: how many scales each operand gets."""
+    block_size: int | None = None
+    """The tile length of ``"blocks"`` (128 by default) and ``"mxfp8"`` (32); ``None`` else."""
+    power_of_two: bool = None  # type: ignore[assignment]  # resolved in __post_init__
+    """Whether scales are rounded down to a power of two (default: only for ``"mxfp8"``)."""
+    weight_grad: str = "fp8"
+    """``"fp8"`` or ``"high"``: the forward rhs's gradient GEMM in FP8 or in the operands'
+    dtype (one of :data:`WEIGHT_GRADS`)."""
 
     def __post_init__(self):
+        g = self.granularity
+        if g not in GRANULARITIES:
+            raise ValueError(f"unknown FP8 granularity {g!r}; expected one of "
+                             f"{', '.join(GRANULARITIES)}")
+        if self.format is None:
+            object.__setattr__(self, "format", "hybrid" if g == "tensor" else "e4m3")
         _check_format(self.format)
         _check_margin(self.margin)
+        b = self.block_size
+        if g in _BLOCK_SIZES:
+            if b is None:
+                object.__setattr__(self, "block_size", _BLOCK_SIZES[g])
+            elif isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"block_size must be an int >= 1, got {b!r}")
+        elif b is not None:
+            raise ValueError(f"block_size is for granularity 'blocks' or 'mxfp8', not {g!r}")
+        if self.power_of_two is None:
+            object.__setattr__(self, "power_of_two", g == "mxfp8")
+        _check_power_of_two(self.power_of_two)
+        if g == "mxfp8" and not self.power_of_two:
+            raise ValueError("mxfp8's scales are powers of two (E8M0); for arbitrary scales per "
+                             "tile use granularity='blocks'")
+        if self.weight_grad not in WEIGHT_GRADS:
+            raise ValueError(f"unknown weight_grad {self.weight_grad!r}; expected one of "
+                             f"{', '.join(WEIGHT_GRADS)}")
 
     @property
     def dtypes(self) -> tuple[Any, Any]:
         """(forward dtype, gradient dtype)."""
         return FORMATS[self.format]
+
+    @property
+    def per_tensor(self) -> bool:
+        """True for the default path: one scale per tensor, the weight gradient in FP8."""
+        return self.granularity == "tensor" and self.weight_grad == "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +203,12 @@ class DelayedScaling:
     """FP8 scaling from a history of past ``amax`` values (Transformer Engine's defaults).
 
     Attributes:
-      history_length: the number of past steps' ``amax`` kept (default 1024).
+      history_length: the number of past steps' ``amax`` kept (default 16, as Transformer
+        Engine's JAX tutorial; its own default is 1024).
       margin: the scale is divided by ``2**margin``.
       format: ``"hybrid"`` (default), ``"e4m3"`` or ``"e5m2"``.
       amax_algo: ``"max"`` (the history's maximum; default) or ``"most_recent"``.
+      power_of_two: round each scale down to a power of two (default ``False``).
 
     >>> DelayedScaling(history_length=16).amax_algo
     'max'
@@ -138,8 +218,8 @@ class DelayedScaling:
     ValueError: history_length must be an int >= 1, got 0; ...
     """
 
-    history_length: int = 1024
-    """The number of past steps' ``amax`` kept for each tensor (default 1024)."""
+    history_length: int = 16
+    """The number of past steps' ``amax`` kept for each tensor (default 16)."""
     margin: int = 0
     """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
     format: str = "hybrid"
@@ -148,12 +228,15 @@ class DelayedScaling:
     amax_algo: str = "max"
     """How a scale reads the history (one of :data:`AMAX_ALGOS`): ``"max"``, its maximum
     (default), or ``"most_recent"``, the latest step's ``amax``."""
+    power_of_two: bool = False
+    """Whether scales are rounded down to a power of two."""
 
     def __post_init__(self):
         n = self.history_length
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"history_length must be an int >= 1, got {n!r}; it is the number "
-                             "of past steps' amax the scale is computed from (1024 by default)")
+                             "of past steps' amax the scale is computed from (16 by default)")
+        _check_power_of_two(self.power_of_two)
         _check_margin(self.margin)
         _check_format(self.format)
         if self.amax_algo not in AMAX_ALGOS:
@@ -202,6 +285,18 @@ def compute_scale(amax: ArrayLike, dtype: DTypeLike, margin: int = 0,
     return jnp.where(ok, scale, jnp.asarray(previous, _F32))
 
 
+def round_to_power_of_two(scale: ArrayLike) -> jax.Array:
+    """Each positive finite ``scale`` rounded down to a power of two, exactly (by its binary
+    exponent, not a floating-point log).
+
+    >>> round_to_power_of_two(jnp.array([1.0, 3.0, 448.0, 0.7])).tolist()
+    [1.0, 2.0, 256.0, 0.5]
+    """
+    mantissa, exponent = jnp.frexp(jnp.asarray(scale, _F32))  # scale = mantissa * 2**exponent
+    del mantissa
+    return jnp.ldexp(jnp.float32(1.0), exponent - 1)
+
+
 def quantize(x: ArrayLike, dtype: DTypeLike, scale: ArrayLike) -> jax.Array:
     """``x * scale`` in fp32, saturated to ``±fp8_max(dtype)`` and rounded to ``dtype`` (to
     nearest, ties to even; subnormals kept). NaN stays NaN.
@@ -217,6 +312,89 @@ def quantize(x: ArrayLike, dtype: DTypeLike, scale: ArrayLike) -> jax.Array:
 def dequantize(q: ArrayLike, scale: ArrayLike, dtype: DTypeLike = _F32) -> jax.Array:
     """``q / scale`` in fp32, cast to ``dtype``."""
     return (jnp.asarray(q).astype(_F32) / jnp.asarray(scale, _F32)).astype(dtype)
+
+
+def _blocked(shape: Sequence[int], block_shape: Sequence[int | None]) -> tuple[list, list]:
+    """Per axis, the block length (``None``: the whole axis) and the number of blocks."""
+    if len(block_shape) != len(shape):
+        raise ValueError(f"block_shape {tuple(block_shape)} needs one entry per axis of an "
+                         f"array of shape {tuple(shape)}")
+    blocks = []
+    for n, b in zip(shape, block_shape, strict=True):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"block lengths must be ints >= 1 or None, got {tuple(block_shape)}")
+        blocks.append(max(n, 1) if b is None else min(b, max(n, 1)))
+    counts = [-(-n // b) for n, b in zip(shape, blocks, strict=True)]
+    return blocks, counts
+
+
+def _split_blocks(x: jax.Array, blocks: list, counts: list) -> jax.Array:
+    """``x`` zero-padded to whole blocks and reshaped to ``(count0, block0, count1, ...)``."""
+    pad = [(0, c * b - n) for n, b, c in zip(x.shape, blocks, counts, strict=True)]
+    x = jnp.pad(x, pad) if any(p for _, p in pad) else x
+    return x.reshape([d for c, b in zip(counts, blocks, strict=True) for d in (c, b)])
+
+
+def block_scales(x: ArrayLike, dtype: DTypeLike, block_shape: Sequence[int | None], *,
+                 margin: int = 0, power_of_two: bool = False) -> jax.Array:
+    """One scale per block of ``x`` (:func:`compute_scale` of the block's ``amax``, 1 for a
+    block of zeros, infs or NaNs), shaped ``ceil(x.shape / block)``. ``block_shape`` has one
+    entry per axis: a block length, or ``None`` for the whole axis. A last block that ``x``
+    does not fill is scaled by the values it holds.
+
+    >>> x = jnp.array([[1.0, 2.0, 4.0], [0.5, 0.0, 8.0]])
+    >>> block_scales(x, jnp.float8_e4m3fn, (1, 2)).tolist()  # tiles [1 2][4] and [.5 0][8]
+    [[224.0, 112.0], [896.0, 56.0]]
+    >>> block_scales(x, jnp.float8_e4m3fn, (None, 2), power_of_two=True).tolist()
+    [[128.0, 32.0]]
+    """
+    x = jnp.asarray(x).astype(_F32)
+    blocks, counts = _blocked(x.shape, block_shape)
+    amaxes = jnp.max(jnp.abs(_split_blocks(x, blocks, counts)),
+                     axis=tuple(range(1, 2 * x.ndim, 2)))
+    scale = compute_scale(amaxes, dtype, margin)
+    return round_to_power_of_two(scale) if power_of_two else scale
+
+
+def _expand(scale: jax.Array, blocks: list, shape: Sequence[int]) -> jax.Array:
+    """A per-block ``scale`` repeated over each block, cut to ``shape``."""
+    for axis, b in enumerate(blocks):
+        if b > 1:
+            scale = jnp.repeat(scale, b, axis=axis)
+    return scale[tuple(slice(0, n) for n in shape)]
+
+
+def quantize_blocks(x: ArrayLike, dtype: DTypeLike, block_shape: Sequence[int | None], *,
+                    margin: int = 0, power_of_two: bool = False
+                    ) -> tuple[jax.Array, jax.Array]:
+    """``x`` quantized to ``dtype`` with one scale per block: ``(q, scales)``, ``q`` of
+    ``x``'s shape and ``scales`` of :func:`block_scales`'s;
+    ``dequantize_blocks(q, scales, block_shape)`` undoes it. A block holding an inf saturates
+    and one holding a NaN keeps it (a matmul must check its operands' ``amax``:
+    :func:`fp8_dot_general` returns NaN then).
+
+    >>> q, s = quantize_blocks(jnp.array([[1.0, 2.0, 4.0]]), jnp.float8_e4m3fn, (1, 2))
+    >>> q, s
+    (Array([[224, 448, 448]], dtype=float8_e4m3fn), Array([[224., 112.]], dtype=float32))
+    >>> dequantize_blocks(q, s, (1, 2)).tolist()
+    [[1.0, 2.0, 4.0]]
+    """
+    x = jnp.asarray(x)
+    scales = block_scales(x, dtype, block_shape, margin=margin, power_of_two=power_of_two)
+    blocks, _ = _blocked(x.shape, block_shape)
+    return quantize(x, dtype, _expand(scales, blocks, x.shape)), scales
+
+
+def dequantize_blocks(q: ArrayLike, scales: ArrayLike, block_shape: Sequence[int | None],
+                      dtype: DTypeLike = _F32) -> jax.Array:
+    """``q`` divided by the scale of its block, in fp32, cast to ``dtype``: the inverse of
+    :func:`quantize_blocks` with the same ``block_shape``."""
+    q, scales = jnp.asarray(q), jnp.asarray(scales, _F32)
+    blocks, counts = _blocked(q.shape, block_shape)
+    if tuple(counts) != scales.shape:
+        raise ValueError(f"scales of shape {scales.shape} do not match blocks {tuple(blocks)} "
+                         f"of an array of shape {q.shape} (expected {tuple(counts)})")
+    return dequantize(q, _expand(scales, blocks, q.shape), dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,9 +413,13 @@ def _ranges_like(*xs: Sequence[int]):
         start += len(x)
 
 
-def _transpose_lhs(g, y, x_ndim: int, dims, swap_ans: bool = False):
-    """The cotangent of ``dot_general``'s lhs (JAX's own transpose rule) with fp8 operands and
-    an fp32 result."""
+def _f32_dot(a, b, dims):
+    return lax.dot_general(a, b, dims, preferred_element_type=_F32)
+
+
+def _transpose_lhs(g, y, x_ndim: int, dims, swap_ans: bool = False, dot=_f32_dot):
+    """The cotangent of ``dot_general``'s lhs (JAX's own transpose rule) with an fp32 result,
+    its matmul ``dot(g, y, dims)``."""
     (x_contract, y_contract), (x_batch, y_batch) = dims
     x_kept = _remaining(x_ndim, x_contract, x_batch)
     y_kept = _remaining(y.ndim, y_contract, y_batch)
@@ -248,14 +430,14 @@ def _transpose_lhs(g, y, x_ndim: int, dims, swap_ans: bool = False):
     new_dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
     out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
-    x_bar = lax.dot_general(g, y, new_dims, preferred_element_type=_F32)
+    x_bar = dot(g, y, new_dims)
     return lax.transpose(x_bar, tuple(int(a) for a in out_axes))
 
 
-def _transpose_rhs(g, x, y_ndim: int, dims):
+def _transpose_rhs(g, x, y_ndim: int, dims, dot=_f32_dot):
     (x_contract, y_contract), (x_batch, y_batch) = dims
     swapped = ((y_contract, x_contract), (y_batch, x_batch))
-    return _transpose_lhs(g, x, y_ndim, swapped, swap_ans=True)
+    return _transpose_lhs(g, x, y_ndim, swapped, swap_ans=True, dot=dot)
 
 
 def _poison(*amaxes) -> jax.Array:
@@ -297,22 +479,123 @@ def _current(lhs, rhs, dims, out_dtype, recipe: CurrentScaling):
     return _current_fwd(lhs, rhs, dims, out_dtype, recipe)[0]
 
 
+def _recipe_scale(a, dtype, recipe, previous: ArrayLike = 1.0) -> jax.Array:
+    scale = compute_scale(a, dtype, recipe.margin, previous)
+    return round_to_power_of_two(scale) if recipe.power_of_two else scale
+
+
 def _current_fwd(lhs, rhs, dims, out_dtype, recipe):
     fwd_dtype = recipe.dtypes[0]
-    s_lhs = compute_scale(amax(lhs), fwd_dtype, recipe.margin)
-    s_rhs = compute_scale(amax(rhs), fwd_dtype, recipe.margin)
+    s_lhs = _recipe_scale(amax(lhs), fwd_dtype, recipe)
+    s_rhs = _recipe_scale(amax(rhs), fwd_dtype, recipe)
     return _forward(lhs, rhs, dims, out_dtype, fwd_dtype, s_lhs, s_rhs)
 
 
 def _current_bwd(dims, out_dtype, recipe, res, g):
     del out_dtype
     bwd_dtype = recipe.dtypes[1]
-    s_grad = compute_scale(amax(g), bwd_dtype, recipe.margin)
+    s_grad = _recipe_scale(amax(g), bwd_dtype, recipe)
     d_lhs, d_rhs, _ = _backward(dims, bwd_dtype, res, g, s_grad)
     return d_lhs, d_rhs
 
 
 _current.defvjp(_current_fwd, _current_bwd)
+
+
+# Fine granularities (and a weight gradient in high precision): the operands are saved as they
+# came, and each of the three GEMMs quantizes its own operands along its own contraction axes.
+
+def _operand_blocks(ndim: int, contract: Sequence[int], batch: Sequence[int],
+                    recipe: CurrentScaling, weight: bool) -> list[int | None]:
+    """The block shape of a GEMM operand (see :class:`CurrentScaling`'s ``granularity``)."""
+    g = recipe.granularity
+    if g == "tensor":
+        return [None] * ndim
+    shape: list[int | None] = [1] * ndim
+    if g == "rowwise":
+        for axis in contract:
+            shape[axis] = None
+        return shape
+    if contract:
+        shape[max(contract)] = recipe.block_size
+    free = _remaining(ndim, contract, batch)
+    if weight and g == "blocks" and free:
+        shape[max(free)] = recipe.block_size
+    return shape
+
+
+def _row_scales_in_output(scale, contract, batch, other_free: int, side: str):
+    """A rowwise operand's scales (1 along its contraction axes) laid out as ``dot_general``'s
+    output: the batch axes, the lhs's free axes, then the rhs's."""
+    kept = _remaining(scale.ndim, contract)
+    scale = scale.reshape([scale.shape[a] for a in kept])
+    free = [a for a in kept if a not in batch]
+    order = [kept.index(a) for a in (*batch, *free)]
+    scale = lax.transpose(scale, tuple(order))
+    n_batch = len(batch)
+    if side == "lhs":
+        return scale.reshape(scale.shape + (1,) * other_free)
+    return scale.reshape(scale.shape[:n_batch] + (1,) * other_free + scale.shape[n_batch:])
+
+
+def _scaled_gemm(a, b, dims, dtype_a, dtype_b, recipe: CurrentScaling, weight_b: bool):
+    """``dot_general(a, b)`` in FP8 with the recipe's granularity, in fp32 (NaN where an operand
+    holds an inf or a NaN)."""
+    (a_contract, b_contract), (a_batch, b_batch) = dims
+    blocks_a = _operand_blocks(a.ndim, a_contract, a_batch, recipe, False)
+    blocks_b = _operand_blocks(b.ndim, b_contract, b_batch, recipe, weight_b)
+    q_a, s_a = quantize_blocks(a, dtype_a, blocks_a, margin=recipe.margin,
+                               power_of_two=recipe.power_of_two)
+    q_b, s_b = quantize_blocks(b, dtype_b, blocks_b, margin=recipe.margin,
+                               power_of_two=recipe.power_of_two)
+    poison = _poison(amax(a), amax(b))
+    if recipe.granularity in ("tensor", "rowwise"):
+        # The scales are constant along the contraction: an FP8 GEMM, scaled after.
+        a_free = len(_remaining(a.ndim, a_contract, a_batch))
+        b_free = len(_remaining(b.ndim, b_contract, b_batch))
+        out = lax.dot_general(q_a, q_b, dims, preferred_element_type=_F32)
+        out = out / _row_scales_in_output(s_a, a_contract, a_batch, b_free, "lhs")
+        return out / _row_scales_in_output(s_b, b_contract, b_batch, a_free, "rhs") * poison
+    # Scales that vary along the contraction: the block-scaled kernel's products and fp32 sum.
+    return lax.dot_general(dequantize_blocks(q_a, s_a, blocks_a),
+                           dequantize_blocks(q_b, s_b, blocks_b), dims,
+                           precision=lax.Precision.HIGHEST, preferred_element_type=_F32) * poison
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fine(lhs, rhs, dims, out_dtype, recipe: CurrentScaling):
+    return _fine_fwd(lhs, rhs, dims, out_dtype, recipe)[0]
+
+
+def _fine_fwd(lhs, rhs, dims, out_dtype, recipe):
+    fwd_dtype = recipe.dtypes[0]
+    out = _scaled_gemm(lhs, rhs, dims, fwd_dtype, fwd_dtype, recipe, True).astype(out_dtype)
+    # The backward GEMMs quantize the operands along other axes: they are kept as they came.
+    return checkpoint_name(out, OUTPUT_NAME), checkpoint_name((lhs, rhs), RESIDUAL_NAME)
+
+
+def _high_dot(a, b, dims):
+    """The GEMM in the operands' own (widest) dtype, as autocast's ``compute`` rule runs it
+    (XLA:CPU has no bf16 x bf16 -> fp32 dot; GPUs accumulate a bf16 GEMM in fp32)."""
+    dtype = jnp.result_type(a.dtype, b.dtype)
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims,
+                           preferred_element_type=dtype).astype(_F32)
+
+
+def _fine_bwd(dims, out_dtype, recipe, res, g):
+    del out_dtype
+    lhs, rhs = res
+    fwd_dtype, bwd_dtype = recipe.dtypes
+
+    def gemm(weight_b):
+        return lambda a, b, d: _scaled_gemm(a, b, d, bwd_dtype, fwd_dtype, recipe, weight_b)
+    d_lhs = _transpose_lhs(g, rhs, lhs.ndim, dims, dot=gemm(True))
+    d_rhs = _transpose_rhs(g, lhs, rhs.ndim, dims,
+                           dot=_high_dot if recipe.weight_grad == "high" else gemm(False))
+    return d_lhs.astype(lhs.dtype), d_rhs.astype(rhs.dtype)
+
+
+_fine.defvjp(_fine_fwd, _fine_bwd)
 
 
 def _output_dtype(lhs, rhs, preferred_element_type) -> Any:
@@ -347,7 +630,10 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
     the backward pass quantizes the incoming gradient to e5m2 the same way and runs both
     transposed matmuls in FP8. Products accumulate in fp32; the result is in
     ``preferred_element_type`` (default: the operands' dtype), each gradient in its operand's
-    dtype. ``precision`` and ``out_sharding`` are accepted for the signature and ignored.
+    dtype. ``precision`` and ``out_sharding`` are accepted for the signature and ignored. A
+    recipe with a finer ``granularity`` (rows, tiles, blocks) or ``weight_grad="high"`` keeps
+    the operands for the backward pass and quantizes them again along each GEMM's own
+    contraction axes (see :class:`CurrentScaling`).
 
     >>> x, w = jnp.full((2, 3), 3.5), jnp.full((3, 4), 7.0)  # scales 128 and 64: exact
     >>> fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
@@ -359,8 +645,9 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
         raise TypeError(f"fp8_dot_general takes recipe=CurrentScaling(...), got {recipe!r}; "
                         "delayed scaling keeps state: use jaxamp.fp8.DotGeneral")
     lhs, rhs = _check_operands(lhs, rhs, "fp8_dot_general")
-    return _current(lhs, rhs, _dims(dimension_numbers),
-                    _output_dtype(lhs, rhs, preferred_element_type), recipe)
+    matmul = _current if recipe.per_tensor else _fine
+    return matmul(lhs, rhs, _dims(dimension_numbers),
+                  _output_dtype(lhs, rhs, preferred_element_type), recipe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +701,7 @@ def _delayed_scale(state: Fp8State, row: int, x, dtype):
     """The state's scale for ``row``; before the row's first amax (an empty history, which
     would leave the scale at 1), ``x``'s own, as in current scaling."""
     fresh = jnp.max(state.amax_history[row]) == 0
-    return jnp.where(fresh, compute_scale(amax(x), dtype, state.recipe.margin), state.scale[row])
+    return jnp.where(fresh, _recipe_scale(amax(x), dtype, state.recipe), state.scale[row])
 
 
 def _delayed_fwd(lhs, rhs, state, dims, out_dtype):
@@ -512,7 +799,7 @@ def update_fp8_state(state: Fp8State, seen: ArrayLike) -> Fp8State:
     rolled = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(seen)
     amaxes = rolled[..., 0] if recipe.amax_algo == "most_recent" else jnp.max(rolled, axis=-1)
     fwd, bwd = recipe.dtypes
-    scale = jnp.stack([compute_scale(amaxes[..., i], fwd if i < 2 else bwd, recipe.margin,
+    scale = jnp.stack([_recipe_scale(amaxes[..., i], fwd if i < 2 else bwd, recipe,
                                      state.scale[..., i]) for i in range(len(_ROWS))], axis=-1)
     ran = jnp.any(seen != 0, axis=-1)
     return Fp8State(jnp.where(ran[..., None, None], rolled, state.amax_history),

@@ -3,6 +3,7 @@ gradients against the dequantized reference, and the delayed-scaling metadata in
 step (rolled, merged by max over micro-batches and devices, untouched by the loss scale and by
 a skipped step, checkpointed)."""
 
+import functools
 import os
 
 import jax
@@ -540,3 +541,316 @@ def test_nnx_einsum_and_einsum_op_record_their_own_metadata():
     amaxes = [s.scale for s in fp8.find_fp8_states(seen)]
     assert len(amaxes) == 2 and all(float(a.min()) > 0 for a in amaxes)
     assert float(amaxes[0][0]) == float(jnp.abs(x).max())
+
+
+# --------------------------------------------------------------------------------------------
+# Fine-grained scales: the block quantizer against a loop over blocks, bit for bit, and each
+# granularity's matmul and gradients against the operands dequantized by that loop
+# --------------------------------------------------------------------------------------------
+
+def ref_power_of_two(scale):
+    mantissa, exponent = np.frexp(np.float32(scale))
+    return np.float32(np.ldexp(np.float32(1.0), exponent - 1))
+
+
+def ref_quantize_blocks(x, dtype, block_shape, power_of_two=False, margin=0):
+    """One block at a time: its amax, its scale, its 8-bit values."""
+    x = np.asarray(x, np.float32)
+    blocks = [max(n, 1) if b is None else min(b, max(n, 1))
+              for n, b in zip(x.shape, block_shape, strict=True)]
+    counts = [-(-n // b) for n, b in zip(x.shape, blocks, strict=True)]
+    q = np.zeros(x.shape, REFERENCE[jnp.dtype(dtype)])
+    scales = np.zeros(counts, np.float32)
+    for index in np.ndindex(*counts):
+        where = tuple(slice(i * b, (i + 1) * b) for i, b in zip(index, blocks, strict=True))
+        block = x[where]
+        scale = ref_scale(np.abs(block).max(), dtype, margin)
+        scale = ref_power_of_two(scale) if power_of_two else scale
+        scales[index] = scale
+        q[where] = ref_quantize(block, dtype, scale)
+    return q, scales
+
+
+def ref_dequantize_blocks(q, scales, block_shape):
+    out = np.asarray(q).astype(np.float64)
+    blocks = [max(n, 1) if b is None else min(b, max(n, 1))
+              for n, b in zip(out.shape, block_shape, strict=True)]
+    for index in np.ndindex(*scales.shape):
+        where = tuple(slice(i * b, (i + 1) * b) for i, b in zip(index, blocks, strict=True))
+        out[where] /= np.float64(scales[index])
+    return out
+
+
+def _rows_of_every_magnitude(shape, seed=0):
+    """Normal values whose magnitude spans 10**-6 .. 10**6 across the first axis: each row's
+    scale differs from the tensor's."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=shape).astype(np.float32)
+    return (x * np.logspace(-6, 6, shape[0], dtype=np.float32).reshape(
+        (-1,) + (1,) * (len(shape) - 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+@pytest.mark.parametrize("shape,block_shape", [
+    ((7, 300), (1, 128)),        # 1 x 128 tiles, the last one a third full
+    ((260, 130), (128, 128)),    # 128 x 128 weight blocks, both axes uneven
+    ((9, 70), (1, 32)),          # MXFP8's 1 x 32
+    ((5, 3, 40), (1, None, 16)),  # a whole axis in each block
+    ((6, 11), (None, None)),     # one scale: per-tensor
+    ((4, 0), (1, 32)),           # an empty axis
+], ids=["tiles", "weight-blocks", "mx", "whole-axis", "tensor", "empty"])
+def test_block_quantizer_matches_a_loop_over_blocks_bit_for_bit(dtype, power_of_two, shape,
+                                                                 block_shape):
+    x = _rows_of_every_magnitude(shape)
+    q, scales = jax.jit(fp8.quantize_blocks, static_argnums=(1, 2),
+                        static_argnames="power_of_two")(x, dtype, block_shape,
+                                                        power_of_two=power_of_two)
+    ref_q, ref_s = ref_quantize_blocks(x, dtype, block_shape, power_of_two)
+    assert q.dtype == jnp.dtype(dtype) and q.shape == x.shape
+    np.testing.assert_array_equal(bits(q), ref_q.view(np.uint8))
+    np.testing.assert_array_equal(bits(scales), bits(ref_s))
+    np.testing.assert_array_equal(fp8.dequantize_blocks(q, scales, block_shape),
+                                  ref_dequantize_blocks(ref_q, ref_s, block_shape).astype(
+                                      np.float32))
+    if power_of_two and scales.size:
+        mantissa, _ = np.frexp(np.asarray(scales))
+        assert (mantissa == 0.5).all()
+    if x.size:  # never past the format's max: every block's amax lands at or under it
+        assert np.abs(np.asarray(q, np.float32)).max() <= fp8.fp8_max(dtype)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
+def test_blocks_of_fp8_values_times_a_power_of_two_round_trip_exactly(power_of_two):
+    # Each 1 x 32 tile: e4m3 values with one +-448, times its own power of two.
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(6, 96)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values[:, ::32] = 448.0 * np.sign(rng.normal(size=(6, 3)))
+    x = values * np.exp2(rng.integers(-30, 30, size=(6, 3))).repeat(32, axis=1)
+    x = x.astype(np.float32)
+    q, s = fp8.quantize_blocks(x, E4M3, (1, 32), power_of_two=power_of_two)
+    np.testing.assert_array_equal(fp8.dequantize_blocks(q, s, (1, 32)), x)
+
+
+def test_zero_and_non_finite_blocks_are_scaled_by_one_and_leave_the_others_alone():
+    x = _rows_of_every_magnitude((4, 64), seed=5)
+    x[0, :32] = 0.0
+    x[1, 40] = np.inf
+    x[2, 3] = np.nan
+    q, s = fp8.quantize_blocks(x, E4M3, (1, 32))
+    assert s[0, 0] == 1.0 and not np.asarray(q[0, :32], np.float32).any()
+    assert s[1, 1] == 1.0 and float(q[1, 40].astype(F32)) == 448.0  # saturated
+    assert s[2, 0] == 1.0 and np.isnan(np.asarray(q[2, 3], np.float32))
+    clean = x.copy()
+    clean[0, :32], clean[1, 32:], clean[2, :32] = 1.0, 1.0, 1.0
+    _, clean_s = fp8.quantize_blocks(clean, E4M3, (1, 32))
+    untouched = np.ones((4, 2), bool)
+    untouched[0, 0] = untouched[1, 1] = untouched[2, 0] = False
+    np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(clean_s)[untouched])
+
+
+def test_bad_block_shapes_are_clear_errors():
+    x = jnp.ones((4, 8))
+    with pytest.raises(ValueError, match="one entry per axis"):
+        fp8.quantize_blocks(x, E4M3, (32,))
+    with pytest.raises(ValueError, match="ints >= 1 or None"):
+        fp8.block_scales(x, E4M3, (1, 0))
+    q, s = fp8.quantize_blocks(x, E4M3, (1, 4))
+    with pytest.raises(ValueError, match="do not match blocks"):
+        fp8.dequantize_blocks(q, s, (1, 8))
+
+
+def test_power_of_two_rounding_is_exact_at_and_between_powers():
+    powers = np.exp2(np.arange(-126, 128)).astype(np.float32)
+    np.testing.assert_array_equal(fp8.round_to_power_of_two(powers), powers)
+    np.testing.assert_array_equal(fp8.round_to_power_of_two(powers[:-1] * 1.9999999), powers[:-1])
+    np.testing.assert_array_equal(fp8.round_to_power_of_two(np.nextafter(
+        powers[1:], np.float32(0))), powers[:-1])
+
+
+def _jitted_vjp(recipe):
+    """``(a, b, cotangent) -> (out, da, db)`` of ``a @ b`` in FP8 with ``recipe``, jitted."""
+    def forward_and_back(a, b, cotangent):
+        out, vjp = jax.vjp(functools.partial(fp8.fp8_dot_general, dimension_numbers=DIMS,
+                                             recipe=recipe), a, b)
+        return (out, *vjp(cotangent))
+    return jax.jit(forward_and_back)
+
+
+GRANULARITY_RECIPES = {
+    "tensor-hp-wgrad": fp8.CurrentScaling(weight_grad="high"),
+    "rowwise": fp8.CurrentScaling(granularity="rowwise"),
+    "rowwise-hybrid": fp8.CurrentScaling(granularity="rowwise", format="hybrid"),
+    "rowwise-hp-wgrad": fp8.CurrentScaling(granularity="rowwise", weight_grad="high"),
+    "rowwise-pow2": fp8.CurrentScaling(granularity="rowwise", power_of_two=True),
+    "blocks": fp8.CurrentScaling(granularity="blocks"),
+    "blocks-16": fp8.CurrentScaling(granularity="blocks", block_size=16),
+    "mxfp8": fp8.CurrentScaling(granularity="mxfp8"),
+}
+
+
+def ref_gemm_operand(x, contract, batch, recipe, weight, dtype):
+    """An operand as one GEMM of the recipe sees it: the block shape the recipe gives it (the
+    contract of CurrentScaling.granularity), quantized and dequantized by the loop."""
+    ndim = np.ndim(x)
+    free = [a for a in range(ndim) if a not in contract and a not in batch]
+    if recipe.granularity == "tensor":
+        block = [None] * ndim
+    elif recipe.granularity == "rowwise":
+        block = [None if a in contract else 1 for a in range(ndim)]
+    else:
+        block = [1] * ndim
+        block[max(contract)] = recipe.block_size
+        if weight and recipe.granularity == "blocks":
+            block[max(free)] = recipe.block_size
+    q, s = ref_quantize_blocks(x, dtype, block, recipe.power_of_two, recipe.margin)
+    return ref_dequantize_blocks(q, s, block)
+
+
+@pytest.mark.parametrize("name", list(GRANULARITY_RECIPES))
+def test_each_granularity_matmul_and_gradients_match_the_dequantized_reference(name):
+    recipe = GRANULARITY_RECIPES[name]
+    fwd_dtype, bwd_dtype = recipe.dtypes
+    # Rows and columns of every magnitude: a shared scale would flush the small ones.
+    x = _rows_of_every_magnitude((40, 300), seed=1)
+    w = _rows_of_every_magnitude((300, 140), seed=2).T.copy().T * 0.05
+    g = _rows_of_every_magnitude((40, 140), seed=3)
+    out, dx, dw = _jitted_vjp(recipe)(x, w, g)
+    ref_out = (ref_gemm_operand(x, [1], [], recipe, False, fwd_dtype)
+               @ ref_gemm_operand(w, [0], [], recipe, True, fwd_dtype))
+    # dx = g . w^T: g's contraction is its columns; w, the weight, is contracted on its own.
+    ref_dx = (ref_gemm_operand(g, [1], [], recipe, False, bwd_dtype)
+              @ ref_gemm_operand(w, [1], [], recipe, True, fwd_dtype).T)
+    if recipe.weight_grad == "high":
+        ref_dw = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+    else:  # dw = x^T . g, both contracted over the tokens
+        ref_dw = (ref_gemm_operand(x, [0], [], recipe, False, fwd_dtype).T
+                  @ ref_gemm_operand(g, [0], [], recipe, False, bwd_dtype))
+    for got, ref in ((out, ref_out), (dx, ref_dx), (dw, ref_dw)):
+        # The same 8-bit values and scales, summed in fp32 instead of float64.
+        scale = np.abs(ref).max(axis=-1, keepdims=True)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert (np.abs(got - ref) <= 1e-5 * scale).all()  # every row, the small ones too
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "blocks", "mxfp8"])
+@pytest.mark.parametrize("spec", ["bhlm,bmhd->blhd", "ij,kj->ik", "btd,dhk->bthk"])
+def test_fine_scales_of_batched_and_transposed_contractions_match_the_reference(granularity,
+                                                                                spec):
+    # Batch axes and a transposed operand; a contraction-last rhs; one lhs axis to two.
+    a_shape, b_shape = {"bhlm,bmhd->blhd": ((2, 3, 5, 36), (2, 36, 3, 4)),
+                        "ij,kj->ik": ((5, 70), (3, 70)),
+                        "btd,dhk->bthk": ((2, 3, 40), (40, 2, 3))}[spec]
+    recipe = fp8.CurrentScaling(granularity=granularity, block_size=16 if granularity ==
+                                "blocks" else None)
+    a, b = _data([a_shape, b_shape], seed=5, scales=[1.0, 1e-3])
+    out = jnp.einsum(spec, a, b, _dot_general=functools.partial(fp8.fp8_dot_general,
+                                                               recipe=recipe))
+
+    def reference_dot(x, y, dims, *args, **kwargs):  # the operands as einsum hands them over
+        (x_contract, y_contract), (x_batch, y_batch) = dims
+        xr = ref_gemm_operand(np.asarray(x), list(x_contract), list(x_batch), recipe, False,
+                              E4M3)
+        yr = ref_gemm_operand(np.asarray(y), list(y_contract), list(y_batch), recipe, True,
+                              E4M3)
+        return jax.lax.dot_general(jnp.asarray(xr, F32), jnp.asarray(yr, F32), dims,
+                                   precision=jax.lax.Precision.HIGHEST)
+    with jax.disable_jit():  # concrete operands for the numpy loop
+        ref = jnp.einsum(spec, a, b, _dot_general=reference_dot)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5 * float(jnp.abs(ref).max()))
+    grads = jax.grad(lambda x, y: jnp.einsum(spec, x, y, _dot_general=functools.partial(
+        fp8.fp8_dot_general, recipe=recipe)).sum(), argnums=(0, 1))(a, b)
+    exact = jax.grad(lambda x, y: jnp.einsum(spec, x, y).sum(), argnums=(0, 1))(a, b)
+    for got, want in zip(grads, exact, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert float(jnp.abs(got - want).max()) < 0.1 * float(jnp.abs(want).max())
+
+
+def test_rowwise_scales_keep_the_small_rows_that_one_scale_per_tensor_flushes():
+    # A token 10**6 times larger than the others: its scale, shared, sends theirs to zero.
+    x = _data([(16, 64)], seed=7)[0].at[0].multiply(1e6)
+    w = _data([(64, 32)], seed=8)[0]
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    errors = {}
+    for name, recipe in [("tensor", fp8.CurrentScaling()),
+                         ("rowwise", fp8.CurrentScaling(granularity="rowwise")),
+                         ("blocks", fp8.CurrentScaling(granularity="blocks")),
+                         ("mxfp8", fp8.CurrentScaling(granularity="mxfp8"))]:
+        out = np.asarray(jax.jit(functools.partial(fp8.fp8_dot_general, dimension_numbers=DIMS,
+                                                   recipe=recipe))(x, w), np.float64)
+        errors[name] = np.abs(out[1:] - exact[1:]).max() / np.abs(exact[1:]).max()
+    assert errors["tensor"] > 0.9  # the small rows are gone
+    for name in ("rowwise", "blocks", "mxfp8"):
+        assert errors[name] < 0.1, errors
+
+
+def test_fine_scales_never_hide_a_non_finite_value_and_keep_dtypes():
+    x, w = (t.astype(jnp.bfloat16) for t in _data([(4, 64), (64, 8)]))
+    for granularity in ("rowwise", "blocks", "mxfp8"):
+        recipe = fp8.CurrentScaling(granularity=granularity)
+
+        forward_and_back = _jitted_vjp(recipe)
+        g = jnp.ones((4, 8), jnp.bfloat16)
+        assert np.isnan(forward_and_back(x.at[0, 0].set(jnp.inf), w, g)[0].astype(F32)).all()
+        out, dx, dw = forward_and_back(x, w, g.at[1, 1].set(jnp.nan))
+        assert out.dtype == jnp.bfloat16
+        assert dx.dtype == dw.dtype == jnp.bfloat16
+        assert np.isnan(dx.astype(F32)).all() and np.isnan(dw.astype(F32)).all()
+
+
+def test_power_of_two_scales_apply_to_per_tensor_and_delayed_scaling():
+    x, w = _data([(8, 16), (16, 4)], seed=2, scales=[3.0, 0.3])
+    recipe = fp8.CurrentScaling(power_of_two=True)
+    out = fp8.fp8_dot_general(x, w, DIMS, recipe=recipe)
+    sx = ref_power_of_two(ref_scale(np.abs(x).max(), E4M3))
+    sw = ref_power_of_two(ref_scale(np.abs(w).max(), E4M3))
+    ref = (ref_quantize(x, E4M3, sx).astype(np.float64) / sx) @ (
+        ref_quantize(w, E4M3, sw).astype(np.float64) / sw)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    state = fp8.Fp8State.create(fp8.DelayedScaling(history_length=2, power_of_two=True))
+    state = fp8.update_fp8_state(state, jnp.array([3.0, 0.3, 1e-4], F32))
+    assert state.scale.tolist() == [128.0, 1024.0, 2.0 ** 29]
+
+
+def test_granularity_recipes_resolve_their_defaults_and_reject_bad_ones():
+    assert fp8.DelayedScaling().history_length == 16
+    r = fp8.CurrentScaling(granularity="blocks")
+    assert (r.format, r.block_size, r.power_of_two) == ("e4m3", 128, False)
+    assert fp8.CurrentScaling().format == "hybrid"
+    assert fp8.CurrentScaling(granularity="rowwise", format="hybrid").dtypes[1] == E5M2
+    assert fp8.CurrentScaling(granularity="mxfp8") == fp8.CurrentScaling(
+        granularity="mxfp8", format="e4m3", block_size=32, power_of_two=True)
+    for kwargs, message in [({"granularity": "columns"}, "unknown FP8 granularity"),
+                            ({"granularity": "rowwise", "block_size": 32}, "block_size is for"),
+                            ({"granularity": "blocks", "block_size": 0}, "block_size must be"),
+                            ({"granularity": "mxfp8", "power_of_two": False}, "E8M0"),
+                            ({"weight_grad": "bf16"}, "unknown weight_grad"),
+                            ({"power_of_two": 1}, "power_of_two must be")]:
+        with pytest.raises(ValueError, match=message):
+            fp8.CurrentScaling(**kwargs)
+    with pytest.raises(TypeError, match="CurrentScaling recipe"):
+        jaxamp.Policy(fp8=fp8.DelayedScaling())
+
+
+def test_autocast_runs_a_policys_fp8_recipe():
+    from train.models import nnx_gpt
+    loss_fn, params = nnx_gpt.loss_and_params(width=32, depth=1, heads=2, max_len=16)
+    batch = {"tokens": jax.random.randint(jax.random.key(0), (2, 17), 0, 256)}
+    rowwise = fp8.CurrentScaling(granularity="rowwise")
+    policy = jaxamp.Policy(F32, jnp.bfloat16, F32, fp8=rowwise)
+    assert str(policy) == "p=f32,c=bf16,o=f32,matmul=fp8(rowwise)"
+    calls = []
+    real = fp8.fp8_dot_general
+
+    def spy(*args, recipe, **kwargs):
+        calls.append(recipe)
+        return real(*args, recipe=recipe, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("jaxamp._autocast.fp8_dot_general", spy)
+        loss, grads = jax.jit(jax.value_and_grad(jaxamp.autocast(loss_fn, policy)))(params,
+                                                                                    batch)
+    assert calls and all(r == rowwise for r in calls)
+    assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    # Rowwise runs FP8 GEMMs: the audit counts every matmul in FP8.
+    report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, policy), params, batch)
+    assert report.fp8_matmul_share == 1.0

@@ -66,8 +66,15 @@ def parser() -> argparse.ArgumentParser:
                     help="with --precision mixed_fp8: current (default) scales each FP8 tensor "
                          "by its own amax, through jaxamp.autocast, for any model; delayed "
                          "keeps amax histories in the model state (bert_* and gpt_* models)")
+    ap.add_argument("--fp8-granularity", choices=jaxamp.fp8.GRANULARITIES,
+                    help="with --fp8-recipe current: one scale per tensor (default), per row "
+                         "along the contraction (rowwise), per 1x128 tile and 128x128 weight "
+                         "block (blocks), or per 1x32 tile with power-of-two scales (mxfp8)")
+    ap.add_argument("--fp8-weight-grad", choices=jaxamp.fp8.WEIGHT_GRADS,
+                    help="with --fp8-recipe current: the weight-gradient GEMM in FP8 (default) "
+                         "or in the compute dtype (high)")
     ap.add_argument("--fp8-history", type=int, metavar="N",
-                    help="with --fp8-recipe delayed: the amax history length (default 1024)")
+                    help="with --fp8-recipe delayed: the amax history length (default 16)")
     ap.add_argument("--fp8-margin", type=int, metavar="M",
                     help="with --fp8-recipe delayed: divide each scale by 2**M (default 0)")
     ap.add_argument("--fp8-algo", choices=jaxamp.fp8.AMAX_ALGOS,

@@ -55,8 +55,8 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     """Trains and evaluates one config; returns the summary (also written to workdir)."""
     os.makedirs(workdir, exist_ok=True)
     is_chief = jax.process_index() == 0
-    policy = jaxamp.get_policy(config.precision)
     check_fp8(config)
+    policy = policy_of(config)
     batches, evals, meta = build_data(config)
     params, model_state, loss_fn, eval_fn, flags = build_model(config, policy, meta)
     state = create_train_state(config, policy, params, model_state)
@@ -109,12 +109,29 @@ def check_fp8(config: Config) -> None:
         raise ValueError(f"precision {config.precision!r} runs matmuls in FP8, and "
                          f"{config.model!r} is convolutions: FP8 convolutions are not "
                          "supported. Use mixed_bfloat16 for a ResNet")
+    policy_of(config)  # checks the current recipe's granularity
+    fine = (config.fp8_granularity, config.fp8_weight_grad) != ("tensor", "fp8")
     if config.fp8_recipe == "delayed":
         fp8_recipe_of(config, jaxamp.get_policy(config.precision))  # checks the recipe
+        if fine:
+            raise ValueError("fp8_granularity and fp8_weight_grad are the current recipe's; "
+                             "delayed scaling keeps one scale per tensor")
         if family not in ("bert", "gpt"):
             raise ValueError(f"fp8_recipe 'delayed' needs jaxamp.fp8's layers, which the "
                              f"bert_* and gpt_* models have and {config.model!r} does not; "
                              "use fp8_recipe 'current' (jaxamp.autocast, any model)")
+
+
+def policy_of(config: Config) -> jaxamp.Policy:
+    """``config.precision``'s policy; under FP8 with the current recipe, with the
+    ``fp8_granularity`` and ``fp8_weight_grad`` of its :class:`jaxamp.fp8.CurrentScaling`."""
+    policy = jaxamp.get_policy(config.precision)
+    if not (policy.fp8 and config.fp8_recipe == "current"):
+        return policy
+    recipe = jaxamp.fp8.CurrentScaling(granularity=config.fp8_granularity,
+                                       weight_grad=config.fp8_weight_grad)
+    return policy if recipe == jaxamp.fp8.CurrentScaling() else dataclasses.replace(
+        policy, fp8=recipe)
 
 
 def uses_autocast(config: Config, policy: jaxamp.Policy) -> bool:

@@ -443,3 +443,22 @@ def test_a_jitted_init_takes_its_key_as_an_argument(name):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jitted), jax.tree.leaves(eager),
                             strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_fp8_options_give_the_current_recipe_and_bad_combinations_are_errors(tmp_path):
+    from train import train as train_lib
+    from train.configs import get_config
+    tiny = dict(steps=2, batch_size=4, seq_len=16, eval_batches=1, log_every=1, progress=False,
+                model_overrides={"gpt": {"depth": 1, "width": 32, "mlp": 64}})
+    config = get_config("text", precision="mixed_fp8", fp8_granularity="rowwise",
+                        fp8_weight_grad="high", **tiny)
+    policy = train_lib.policy_of(config)
+    assert policy.fp8 == jaxamp.fp8.CurrentScaling(granularity="rowwise", weight_grad="high")
+    assert train_lib.policy_of(get_config("text", precision="mixed_fp8")).fp8 is True
+    summary = train_lib.train_and_evaluate(config, str(tmp_path))
+    assert np.isfinite(summary["eval_loss"])
+    for bad, message in [({"fp8_recipe": "delayed", "fp8_granularity": "blocks"},
+                          "current recipe's"),
+                         ({"fp8_granularity": "columns"}, "unknown FP8 granularity")]:
+        with pytest.raises(ValueError, match=message):
+            train_lib.check_fp8(get_config("text", precision="mixed_fp8", **bad))

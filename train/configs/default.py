@@ -34,7 +34,11 @@ class Config:
     # jaxamp.autocast, each tensor scaled by its own amax; "delayed" builds the model with
     # jaxamp.fp8's delayed-scaling layers (amax histories in the model state; bert_*, gpt_*).
     fp8_recipe: str = "current"
-    fp8_history: int = 1024
+    # current only: jaxamp.fp8.CurrentScaling's granularity (tensor | rowwise | blocks | mxfp8)
+    # and where the weight-gradient GEMM runs (fp8 | high: the compute dtype).
+    fp8_granularity: str = "tensor"
+    fp8_weight_grad: str = "fp8"
+    fp8_history: int = 16
     fp8_margin: int = 0  # delayed: each scale is divided by 2**fp8_margin
     fp8_algo: str = "max"  # delayed: "max" of the amax history, or its "most_recent" entry
     loss_scale: str = "auto"  # auto | dynamic | static | none
