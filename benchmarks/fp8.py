@@ -6,9 +6,11 @@ FP8 adds to the step.
 Three tables:
 
 - **parity**: the CLI's ``text`` preset (the 2 x 64 character GPT on Python's ``pydoc_data``,
-  32 x 64 bytes a step) under ``mixed_bfloat16`` and ``mixed_fp8`` with the ``current`` recipe
-  (``jaxamp.autocast``) and the ``delayed`` one (``jaxamp.fp8`` layers, amax history 1024);
-  per seed and the mean, the eval loss and its change against bf16 with the same seed.
+  32 x 64 bytes a step) under ``mixed_bfloat16`` and ``mixed_fp8`` with every matmul in FP8
+  (the head's and the attention's too, ``--fp8-every-matmul``): the ``current`` recipe
+  (``jaxamp.autocast``) and the ``delayed`` one (``jaxamp.fp8`` layers, amax history 16);
+  per seed and the mean, the eval loss and its change against bf16 with the same seed. The
+  default recipe and the finer ones are the ``numerics`` suite's.
 - **share**: ``jaxamp.audit_grad`` of the same model's loss: the share of matmul FLOPs in FP8.
 - **cost**: the compiled train step (adamw, state donated) of each precision, from XLA's
   ``cost_analysis()`` (FLOPs and bytes accessed) and the saved activations of its gradient,
@@ -44,8 +46,10 @@ TINY = dict(model_overrides={"gpt": {"depth": 1, "width": 32, "mlp": 64}}, batch
 
 def _config(precision: str, recipe: str, tiny: bool = False, **kw):
     from train.configs import get_config
+    every_matmul = {"fp8_keep_bf16": False} if (precision, recipe) == ("mixed_fp8",
+                                                                        "current") else {}
     return get_config("text", precision=precision, fp8_recipe=recipe, progress=False,
-                      checkpoint_every=10**9, **(TINY if tiny else {}), **kw)
+                      checkpoint_every=10**9, **(TINY if tiny else {}), **every_matmul, **kw)
 
 
 def _parity(steps: int, seeds: range, tiny: bool) -> list[dict]:
@@ -76,7 +80,7 @@ def _built(precision: str, recipe: str, tiny: bool):
     model, without data files (a random batch of its shape)."""
     from train import train as train_lib
     config = _config(precision, recipe, tiny, steps=10)
-    policy = jaxamp.get_policy(precision)
+    policy = train_lib.policy_of(config)
     params, model_state, loss_fn, _, flags = train_lib.build_model(config, policy,
                                                                     {"vocab": 256})
     state = train_lib.create_train_state(config, policy, params, model_state)

@@ -108,6 +108,7 @@ class Precision:
     master: str = "float32"  # mixed_precision(master=...)
     moments_dtype: str | None = None  # mixed_precision(moments_dtype=...)
     fp8_recipe: str | None = None  # "delayed": the model built with jaxamp.fp8's layers
+    fp8_every_matmul: bool = False  # current scaling of every matmul, the head's too
     attention: str | None = None  # TransformerConfig.attention; None: the case's
 
 
@@ -143,9 +144,10 @@ PRECISIONS = {
                                            moments_dtype="bfloat16"),
     "mixed_fp8_current": Precision("jaxamp mixed_fp8 through make_train_step(autocast=True): "
                                    "every matmul in FP8, current scaling, skip='auto'",
-                                   "autocast", "mixed_fp8", skip="auto", peak="float8"),
+                                   "autocast", "mixed_fp8", skip="auto", peak="float8",
+                                   fp8_every_matmul=True),
     "mixed_fp8_delayed": Precision("jaxamp mixed_fp8 with delayed scaling: the model built "
-                                   "with jaxamp.fp8 layers (amax history 1024), skip='auto'",
+                                   "with jaxamp.fp8 layers (amax history 16), skip='auto'",
                                    "jaxamp", "mixed_fp8", skip="auto", peak="float8",
                                    fp8_recipe="delayed"),
     "torch_amp_bf16": Precision("PyTorch eager, torch.autocast(bfloat16), AdamW defaults",
@@ -412,6 +414,9 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     loss_fn, keywords = _loss(case, graphdef, fp8_state=recipe is not None)
     has_model_state = keywords.get("has_model_state", False)
     policy = jaxamp.get_policy(prec.policy)
+    if prec.fp8_every_matmul:
+        policy = dataclasses.replace(policy, fp8=jaxamp.fp8.CurrentScaling(keep="",
+                                                                           batched=True))
     working = jax.eval_shape(policy.cast_params_to_compute, params)  # the audit traces it
 
     def audited(p, b, ms):

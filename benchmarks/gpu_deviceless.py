@@ -92,7 +92,15 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
             "argument_by_dtype_gb": {k: v / GB for k, v in report.argument_by_dtype.items()},
             "temp_by_dtype_gb": {k: v / GB for k, v in report.temp_by_dtype.items()},
             "temp_largest": [[label, n, b / GB] for label, n, b in report.temp_by_shape[:8]],
+            "gemms_by_operands": report.gemms, **_gemm_counts(report.gemms),
             "flops": flops, **gpu.kernel_fingerprint(compiled)}
+
+
+def _gemm_counts(gemms: dict[str, int]) -> dict[str, int]:
+    """The compiled step's GEMMs, and those whose two operands are 8-bit (an FP8 GEMM, not a
+    dequantized one)."""
+    return {"gemms": sum(gemms.values()),
+            "fp8_gemms": sum(n for k, n in gemms.items() if k.count("f8") == 2)}
 
 
 def run(args) -> list[dict]:
@@ -182,12 +190,12 @@ def render(out: str, target: str) -> list[dict]:
         "",
         "| model | precision | GPUs | mem GB | vs fp32 | arguments | temporaries | temporaries "
         "by dtype | largest temporaries (values × shape, GB) | fusions (cuDNN attention) | "
-        "compile s | H200 run | vs H200 run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "FP8 GEMMs / GEMMs | compile s | H200 run | vs H200 run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['model']} | {r['precision']} | | error: {r['error'][:120]} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         dtypes = ", ".join(f"{k} {v:.2f}" for k, v in sorted(
             r["temp_by_dtype_gb"].items(), key=lambda kv: -kv[1]) if v >= 0.005)
@@ -196,9 +204,11 @@ def render(out: str, target: str) -> list[dict]:
         off = "" if r["off_by"] is None else f"{100 * r['off_by']:+.1f}%"
         fusions = "" if r.get("fusions") is None else \
             f"{r['fusions']} ({r['cudnn_attention']})"
+        gemms = "" if r.get("gemms") is None else f"{r['fp8_gemms']} / {r['gemms']}"
         lines.append(f"| {r['model']} | {r['precision']} | {r['devices']} | "
                      f"{r['mem_gb']:.2f} | {vs} | {r['argument_gb']:.2f} | {r['temp_gb']:.2f} "
-                     f"| {dtypes} | {_largest(r)} | {fusions} | {r['compile_s']:.1f} | {real} "
+                     f"| {dtypes} | {_largest(r)} | {fusions} | {gemms} | {r['compile_s']:.1f} "
+                     f"| {real} "
                      f"| {off} |")
     path = os.path.join(out, f"gpu_deviceless_{target}.md")
     with open(path, "w") as f:

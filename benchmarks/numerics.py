@@ -49,6 +49,9 @@ ROUNDS = None  # nothing is timed
 ARMS = {
     "bf16": {"precision": "mixed_bfloat16"},
     "fp32": {"precision": "float32"},
+    "fp8_tensor_all": {"precision": "mixed_fp8", "fp8_keep_bf16": False},
+    "fp8_rowwise_all": {"precision": "mixed_fp8", "fp8_granularity": "rowwise",
+                        "fp8_keep_bf16": False},
     "fp8_current": {"precision": "mixed_fp8", "fp8_recipe": "current"},
     "fp8_delayed": {"precision": "mixed_fp8", "fp8_recipe": "delayed"},
     "fp8_rowwise": {"precision": "mixed_fp8", "fp8_granularity": "rowwise"},
@@ -65,8 +68,10 @@ ARMS = {
 TWIN = "bf16"
 # arm -> (the arm it is compared with, the goal on the upper bound of the interval of its gap).
 GOALS = {
-    "fp8_current": ("bf16", 0.015),
-    "fp8_delayed": ("fp8_current", 0.0025),
+    "fp8_tensor_all": ("bf16", 0.015),
+    "fp8_rowwise_all": ("bf16", 0.01),
+    "fp8_current": ("bf16", 0.01),
+    "fp8_delayed": ("fp8_tensor_all", 0.0025),
     "fp8_rowwise": ("bf16", 0.01),
     "fp8_rowwise_hp_wgrad": ("bf16", 0.003),
     "fp8_blocks": ("bf16", 0.01),

@@ -127,6 +127,7 @@ from jaxamp._jaxpr import sub_jaxprs
 from jaxamp._policy import get_policy
 from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
+from jaxamp._tree import tree_path_str
 from jaxamp._tree import wider_float
 from jaxamp.fp8 import fp8_dot_general
 
@@ -297,6 +298,9 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             return fn(*a, **k)
 
         arrays = [leaves[i] for i in traced]
+        every_path = [tree_path_str(p) for p, _ in
+                      jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+        paths = [every_path[i] for i in traced]
         attention_calls: dict = {}
         with _marking_attention(attention_calls):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
@@ -309,6 +313,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         def evaluate(*arrays):
             ctx = dataclasses.replace(context, call=_Call(
                 scopes_seen=scopes_seen, attention=attention_calls,
+                arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)},
                 cheap={id(a): a for a in arrays} if recomputed else None,
                 near={} if recomputed else None))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
@@ -378,10 +383,21 @@ class _Call:
     near: dict | None = None
     # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
     attention: dict = dataclasses.field(default_factory=dict)
+    # id -> (value, path) of the arguments and their views (casts, reshapes, transposes):
+    # which matmul reads which argument (an FP8 policy keeps the head's in the compute dtype).
+    arguments: dict = dataclasses.field(default_factory=dict)
+
+    def argument_path(self, x: Any) -> str | None:
+        """The path of the argument ``x`` is (or is a view of), or ``None``."""
+        entry = self.arguments.get(id(x))
+        return entry[1] if entry is not None and entry[0] is x else None
 
     def inherit(self, new: Any, old: Any, source: Any = None) -> None:
         """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: cheap
         (as ``source`` may be, the value ``old`` was upcast from), or near kept values."""
+        path = self.argument_path(old)
+        if path is not None:
+            self.arguments[id(new)] = (new, path)
         if self.cheap is not None and (id(old) in self.cheap or id(source) in self.cheap):
             self.cheap[id(new)] = new
         elif self.near is not None:
@@ -532,6 +548,10 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
         if (ctx.call.cheap is not None and eqn.primitive.name in _VIEWS and invals
                 and id(invals[0]) in ctx.call.cheap):
             ctx.call.cheap[id(outs[0])] = outs[0]
+        if eqn.primitive.name in _VIEWS and invals:
+            path = ctx.call.argument_path(invals[0])
+            if path is not None:
+                ctx.call.arguments[id(outs[0])] = (outs[0], path)
         if ctx.call.near is not None and eqn.primitive.name not in MATMULS:
             _mark_near(ctx, eqn, invals, outs, outer,
                        [isinstance(v, Literal) or v in constant for v in eqn.invars])
@@ -820,7 +840,7 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
             run = _body(inner, body, stack, const_args)
             return _recomputed_in_its_step(ctx, run) if each_step_recomputed else run
         return higher_order.run(eqn, invals, enter, const_in, each_step=_each_scan_step(ctx))
-    rule = rule.for_inputs(invals)
+    rule = rule.for_inputs(ctx, eqn, invals)
     return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
 
 
@@ -991,9 +1011,9 @@ class _Rule:
     opens_region = False  # on a half-precision input, it starts an fp32 region
     joins_region = True  # an fp32 region grows over it
 
-    def for_inputs(self, invals: list) -> _Rule:
+    def for_inputs(self, ctx: _Context, eqn: Any, invals: list) -> _Rule:
         """The rule these inputs get (an FP8 matmul of integers is a plain one)."""
-        del invals
+        del ctx, eqn, invals
         return self
 
     def cast(self, ctx: _Context, eqn: Any, invals: list, const_in: Sequence[bool]) -> list:
@@ -1108,8 +1128,20 @@ class _Original(_Rule):
 class _Fp8(_Compute):
     """``"fp8"``: a ``dot_general`` in FP8 with current scaling, from compute-dtype inputs."""
 
-    def for_inputs(self, invals):
-        return self if all(is_floating_array(x) for x in invals) else _RULES["compute"]
+    def for_inputs(self, ctx, eqn, invals):
+        """The compute rule for integers, for an operand read from an argument the recipe
+        keeps (the head), and for a batched matmul of two computed values (attention) unless
+        the recipe quantizes those."""
+        if not all(is_floating_array(x) for x in invals):
+            return _RULES["compute"]
+        recipe = ctx.fp8_recipe
+        paths = [ctx.call.argument_path(x) for x in invals]
+        if recipe.keep and any(p is not None and re.search(recipe.keep, p) for p in paths):
+            return _RULES["compute"]
+        batch_dims = eqn.params["dimension_numbers"][1][0]
+        if batch_dims and not recipe.batched and all(p is None for p in paths):
+            return _RULES["compute"]
+        return self
 
     def bind(self, ctx, eqn, invals):
         lhs, rhs = invals

@@ -193,6 +193,14 @@ class GpuMemoryReport:
     layout cannot reuse (values of different sizes and lifetimes packed into one arena)."""
 
     @property
+    def gemms(self) -> dict[str, int]:
+        """The compiled program's matrix multiplications by operand dtypes (HLO names:
+        ``"f8e4m3fn x f8e4m3fn"``, ``"bf16 x bf16"``): its ``dot`` instructions, inside GEMM
+        fusions too, and cuBLAS's GEMM custom calls. An FP8 matmul that XLA runs as one has
+        8-bit operands here; one it dequantizes first shows as a 16- or 32-bit GEMM."""
+        return gemms_by_operands(self.hlo)
+
+    @property
     def total_bytes(self) -> int:
         """Arguments + outputs - aliased + temporaries: what the step needs on one GPU."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
@@ -214,6 +222,44 @@ class GpuMemoryReport:
         for label, count, nbytes in self.temp_by_shape[:8]:
             lines.append(f"    {nbytes / gb:7.2f} GB  {count:3d} x {label}")
         return "\n".join(lines)
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+) = ([a-z0-9]+)\[")
+_PARAMETER = re.compile(r"(%?[\w.\-]+): ([a-z0-9]+)\[")
+_GEMM = re.compile(r"= [^=]*? (dot|custom-call)\((%[\w.\-]+), (%[\w.\-]+)")
+_CUBLAS = re.compile(r'custom_call_target="(__cublas\$[^"]*)"')
+
+
+def gemms_by_operands(hlo: str) -> dict[str, int]:
+    """``{"lhs x rhs": count}`` of the ``dot`` instructions and cuBLAS GEMM custom calls of an
+    HLO module's text, by their operands' dtypes.
+
+    >>> gemms_by_operands('''
+    ... %f (p0: f8e4m3fn[2,4], p1: f8e5m2[4,3]) -> f32[2,3] {
+    ...   %p0 = f8e4m3fn[2,4]{1,0} parameter(0)
+    ...   %p1 = f8e5m2[4,3]{1,0} parameter(1)
+    ...   ROOT %d = f32[2,3]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}
+    ... }''')
+    {'f8e4m3fn x f8e5m2': 1}
+    """
+    dtypes: dict[str, str] = {}
+    for line in hlo.splitlines():
+        found = _INSTRUCTION.match(line)
+        if found:
+            dtypes[found.group(1)] = found.group(2)
+        elif "->" in line and "(" in line:  # a computation's header names its parameters
+            for name, dtype in _PARAMETER.findall(line.split("->")[0]):
+                dtypes.setdefault(name if name.startswith("%") else "%" + name, dtype)
+    counts: collections.Counter[str] = collections.Counter()
+    for line in hlo.splitlines():
+        found = _GEMM.search(line)
+        if found is None:
+            continue
+        kind, lhs, rhs = found.groups()
+        if kind == "custom-call" and not _CUBLAS.search(line):
+            continue
+        counts[f"{dtypes.get(lhs, '?')} x {dtypes.get(rhs, '?')}"] += 1
+    return dict(sorted(counts.items()))
 
 
 def _largest(d: dict[str, int]) -> list[tuple[str, int]]:

@@ -39,6 +39,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
     from jaxamp._fp8_nnx import Fp8Meta
     from jaxamp._fp8_nnx import Linear
 
-__all__ = ["AMAX_ALGOS", "FORMATS", "GRANULARITIES", "WEIGHT_GRADS", "CurrentScaling",
+__all__ = ["AMAX_ALGOS", "FORMATS", "GRANULARITIES", "KEEP", "WEIGHT_GRADS", "CurrentScaling",
            "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear",
            "amax", "block_scales", "compute_scale", "delayed_dot_general", "dequantize",
            "dequantize_blocks", "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize",
@@ -103,6 +104,12 @@ WEIGHT_GRADS = ("fp8", "high")
 (``"high"``: torchao's ``rowwise_with_gw_hp``)."""
 
 
+KEEP = r"(?i)embed|(^|/)(lm_)?head(/|$)|unembed|logits|(^|/)wte(/|$)"
+"""The argument paths whose matmuls :func:`jaxamp.autocast` keeps in the compute dtype under an
+FP8 policy by default: embedding tables (an ``attend``/tied output projection reads one) and
+output heads (``head``, ``lm_head``, ``unembed``, ``logits``, GPT-2's ``wte``)."""
+
+
 def _check_power_of_two(p: Any) -> None:
     if not isinstance(p, bool):
         raise ValueError(f"power_of_two must be True or False, got {p!r}")
@@ -131,6 +138,14 @@ class CurrentScaling:
         saturating). Default: ``True`` for ``"mxfp8"`` (its E8M0 scales), else ``False``.
       weight_grad: ``"fp8"`` (default) or ``"high"``: the weight-gradient GEMM (of the
         forward's rhs) in the operands' own dtype (bf16 under ``mixed_fp8``).
+      keep: under :func:`jaxamp.autocast`, a regex (``re.search``) of the argument paths
+        (``tree_path_str``: ``0/0/head/kernel``) whose matmuls stay in the compute dtype: a
+        matmul with an operand read from a matching argument (through casts, reshapes and
+        transposes) is not quantized. Default :data:`KEEP`: the embeddings and the output
+        head, as the anchors' recipes keep them. ``""``: none.
+      batched: under :func:`jaxamp.autocast`, whether a matmul with batch dimensions between
+        two computed values (the attention's ``q k^T`` and ``p v``) runs in FP8. Default
+        ``False``: they stay in the compute dtype, as the anchors' recipes keep them.
 
     ``"tensor"`` and ``"rowwise"`` multiply 8-bit operands (an FP8 GEMM, the scales applied to
     its fp32 output). ``"blocks"`` and ``"mxfp8"`` have scales that vary along the contraction:
@@ -159,6 +174,11 @@ class CurrentScaling:
     weight_grad: str = "fp8"
     """``"fp8"`` or ``"high"``: the forward rhs's gradient GEMM in FP8 or in the operands'
     dtype (one of :data:`WEIGHT_GRADS`)."""
+    keep: str | None = None  # type: ignore[assignment]  # resolved in __post_init__
+    """Under autocast: a regex of the argument paths whose matmuls stay in the compute dtype
+    (default :data:`KEEP`, the embeddings and the head; ``""``: none)."""
+    batched: bool = False
+    """Under autocast: whether batched matmuls of two computed values (attention) run in FP8."""
 
     def __post_init__(self):
         g = self.granularity
@@ -183,6 +203,16 @@ class CurrentScaling:
         if g == "mxfp8" and not self.power_of_two:
             raise ValueError("mxfp8's scales are powers of two (E8M0); for arbitrary scales per "
                              "tile use granularity='blocks'")
+        if self.keep is None:
+            object.__setattr__(self, "keep", KEEP)
+        elif not isinstance(self.keep, str):
+            raise ValueError(f"keep must be a regex string ('' for none), got {self.keep!r}")
+        try:
+            re.compile(self.keep)
+        except re.error as e:
+            raise ValueError(f"keep {self.keep!r} is not a valid regex: {e}") from e
+        if not isinstance(self.batched, bool):
+            raise ValueError(f"batched must be True or False, got {self.batched!r}")
         if self.weight_grad not in WEIGHT_GRADS:
             raise ValueError(f"unknown weight_grad {self.weight_grad!r}; expected one of "
                              f"{', '.join(WEIGHT_GRADS)}")

@@ -212,18 +212,54 @@ def test_saturation_never_hides_a_non_finite_value(where):
 # Autocast's mixed_fp8 and the audit
 # --------------------------------------------------------------------------------------------
 
-def test_mixed_fp8_autocast_runs_every_matmul_of_a_user_nnx_model_in_fp8():
+def test_mixed_fp8_autocast_runs_a_user_nnx_models_matmuls_in_fp8_but_head_and_attention():
     from train.models import nnx_gpt
     loss_fn, params = nnx_gpt.loss_and_params(width=32, depth=1, heads=2, max_len=16)
     batch = {"tokens": jax.random.randint(jax.random.key(0), (2, 17), 0, 256)}
     report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, "mixed_fp8"), params, batch)
-    assert report.fp8_matmul_share == 1.0
-    assert report.to_dict()["fp8_matmul_share"] == 1.0
+    # The head (vocab 256 x width 32) and the attention's two batched matmuls stay in bf16.
+    fp8_rows = [m for m in report.matmuls if "float8" in m.lhs]
+    bf16_rows = [m for m in report.matmuls if m.lhs == "bfloat16"]
+    assert fp8_rows and bf16_rows and len(fp8_rows) + len(bf16_rows) == len(report.matmuls)
+    assert 0.5 < report.fp8_matmul_share < 0.6
+    assert report.to_dict()["fp8_matmul_share"] == report.fp8_matmul_share
     assert "in FP8" in str(report) and "FP8 matmul FLOPs" in str(report)
     # Everything else follows bf16: no fp32 matmul, no half-precision exp or sum.
     assert report.fp32_matmul_share == 0.0 and report.half_sensitive_ops == []
+    every = jaxamp.Policy(F32, jnp.bfloat16, F32,
+                          fp8=fp8.CurrentScaling(keep="", batched=True))
+    assert jaxamp.audit_grad(jaxamp.autocast(loss_fn, every), params,
+                             batch).fp8_matmul_share == 1.0
     bf16 = jaxamp.audit_grad(jaxamp.autocast(loss_fn, "mixed_bfloat16"), params, batch)
     assert bf16.fp8_matmul_share == 0.0 and "FP8" not in str(bf16)
+
+
+@pytest.mark.parametrize("keep,batched,expected", [
+    (None, False, ["fp8", "bf16", "bf16", "fp8", "bf16"]),
+    ("", False, ["fp8", "bf16", "bf16", "fp8", "fp8"]),
+    (None, True, ["fp8", "fp8", "fp8", "fp8", "bf16"]),
+    (r"(^|/)proj(/|$)", False, ["fp8", "bf16", "bf16", "bf16", "fp8"]),
+], ids=["default", "keep-none", "batched", "keep-by-path"])
+def test_an_fp8_recipe_keeps_the_head_and_attention_in_bf16_by_argument_path(keep, batched,
+                                                                             expected):
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"embed": {"embedding": jax.random.normal(k[0], (50, 16))},
+              "attn": {"qkv": jax.random.normal(k[1], (16, 48)) * 0.1},
+              "proj": {"kernel": jax.random.normal(k[2], (16, 16)) * 0.1}}
+    tokens = jnp.arange(8).reshape(1, 8) % 50
+
+    def model(p, t):
+        x = p["embed"]["embedding"][t]                                  # a gather, not a matmul
+        q, key, v = jnp.split(x @ p["attn"]["qkv"], 3, axis=-1)           # 1: a dense layer
+        s = jnp.einsum("bld,bmd->blm", q, key)                           # 2: batched (attention)
+        a = jnp.einsum("blm,bmd->bld", jax.nn.softmax(s, axis=-1), v)     # 3: batched
+        h = a @ p["proj"]["kernel"].T.T                                  # 4: a view of "proj"
+        return h @ p["embed"]["embedding"].T                             # 5: the tied head
+    recipe = fp8.CurrentScaling(keep=keep, batched=batched)
+    policy = jaxamp.Policy(F32, jnp.bfloat16, F32, fp8=recipe)
+    matmuls = jaxamp.audit(jaxamp.autocast(model, policy), params, tokens).matmuls
+    assert [m.lhs.replace("float8_e4m3fn", "fp8").replace("bfloat16", "bf16")
+            for m in matmuls] == expected
 
 
 def test_an_equinox_mlp_trains_under_mixed_fp8_with_every_matmul_in_fp8():
@@ -851,6 +887,6 @@ def test_autocast_runs_a_policys_fp8_recipe():
                                                                                     batch)
     assert calls and all(r == rowwise for r in calls)
     assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
-    # Rowwise runs FP8 GEMMs: the audit counts every matmul in FP8.
+    # Rowwise runs FP8 GEMMs: the audit counts them, all but the head's and attention's.
     report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, policy), params, batch)
-    assert report.fp8_matmul_share == 1.0
+    assert 0.5 < report.fp8_matmul_share < 0.6

@@ -73,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-weight-grad", choices=jaxamp.fp8.WEIGHT_GRADS,
                     help="with --fp8-recipe current: the weight-gradient GEMM in FP8 (default) "
                          "or in the compute dtype (high)")
+    ap.add_argument("--fp8-every-matmul", dest="fp8_keep_bf16", action="store_false",
+                    default=None,
+                    help="with --fp8-recipe current: quantize the embeddings' and the head's "
+                         "matmuls and the attention's batched ones too (default: bf16)")
     ap.add_argument("--fp8-history", type=int, metavar="N",
                     help="with --fp8-recipe delayed: the amax history length (default 16)")
     ap.add_argument("--fp8-margin", type=int, metavar="M",

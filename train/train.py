@@ -110,12 +110,14 @@ def check_fp8(config: Config) -> None:
                          f"{config.model!r} is convolutions: FP8 convolutions are not "
                          "supported. Use mixed_bfloat16 for a ResNet")
     policy_of(config)  # checks the current recipe's granularity
-    fine = (config.fp8_granularity, config.fp8_weight_grad) != ("tensor", "fp8")
+    fine = (config.fp8_granularity, config.fp8_weight_grad, config.fp8_keep_bf16) != (
+        "tensor", "fp8", True)
     if config.fp8_recipe == "delayed":
         fp8_recipe_of(config, jaxamp.get_policy(config.precision))  # checks the recipe
         if fine:
-            raise ValueError("fp8_granularity and fp8_weight_grad are the current recipe's; "
-                             "delayed scaling keeps one scale per tensor")
+            raise ValueError("fp8_granularity, fp8_weight_grad and fp8_keep_bf16 are the "
+                             "current recipe's; delayed scaling keeps one scale per tensor "
+                             "in the layers the model builds")
         if family not in ("bert", "gpt"):
             raise ValueError(f"fp8_recipe 'delayed' needs jaxamp.fp8's layers, which the "
                              f"bert_* and gpt_* models have and {config.model!r} does not; "
@@ -128,8 +130,9 @@ def policy_of(config: Config) -> jaxamp.Policy:
     policy = jaxamp.get_policy(config.precision)
     if not (policy.fp8 and config.fp8_recipe == "current"):
         return policy
+    every_matmul = {} if config.fp8_keep_bf16 else {"keep": "", "batched": True}
     recipe = jaxamp.fp8.CurrentScaling(granularity=config.fp8_granularity,
-                                       weight_grad=config.fp8_weight_grad)
+                                       weight_grad=config.fp8_weight_grad, **every_matmul)
     return policy if recipe == jaxamp.fp8.CurrentScaling() else dataclasses.replace(
         policy, fp8=recipe)
 

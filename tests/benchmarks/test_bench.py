@@ -360,21 +360,21 @@ def test_numerics_pairs_runs_by_seed_and_holds_a_goal_on_the_upper_bound(tmp_pat
     rows = _numerics_rows({
         "bf16": bf16,
         # +1.0% on every seed: the interval is a point, under the 1.5% goal.
-        "fp8_current": [x * 1.01 for x in bf16],
-        # fp8_current +0.1%, +0.4%, -0.1%: mean 0.13%, upper bound 0.51% > 0.25%.
+        "fp8_tensor_all": [x * 1.01 for x in bf16],
+        # fp8_tensor_all +0.1%, +0.4%, -0.1%: mean 0.13%, upper bound 0.51% > 0.25%.
         "fp8_delayed": [x * 1.01 * g for x, g in zip(bf16, (1.001, 1.004, 0.999), strict=False)],
         "fp32": bf16[:2],  # seeds 0 and 1 only
     })
     rows.append({**rows[0], "arm": "kahan", "seed": 7})  # no bf16 run of seed 7: not paired
     got = {(r["arm"], r["vs"]): r for r in numerics.summarize(rows)}
-    assert got["fp8_current", "bf16"]["gap"] == pytest.approx(0.01)
-    assert got["fp8_current", "bf16"]["ci_high"] == pytest.approx(0.01)
-    assert got["fp8_current", "bf16"]["holds"] is True
-    delayed = got["fp8_delayed", "fp8_current"]
+    assert got["fp8_tensor_all", "bf16"]["gap"] == pytest.approx(0.01)
+    assert got["fp8_tensor_all", "bf16"]["ci_high"] == pytest.approx(0.01)
+    assert got["fp8_tensor_all", "bf16"]["holds"] is True
+    delayed = got["fp8_delayed", "fp8_tensor_all"]
     assert delayed["seeds"] == 3 and delayed["goal"] == 0.0025
     assert delayed["gap"] == pytest.approx(0.004 / 3) and delayed["ci_high"] > 0.0025
     assert delayed["holds"] is False
-    assert got["fp8_delayed", "bf16"]["goal"] is None  # its goal compares with fp8_current
+    assert got["fp8_delayed", "bf16"]["goal"] is None  # its goal compares with fp8_tensor_all
     assert got["fp32", "bf16"]["seeds"] == 2 and got["fp32", "bf16"]["gap"] == 0.0
     assert got["kahan", "bf16"]["seeds"] == 0 and got["kahan", "bf16"]["gap"] is None
     assert got["bf16", None]["eval_loss"] == pytest.approx(2.0)
@@ -421,7 +421,7 @@ def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, mon
 
 def test_numerics_runs_the_twin_and_every_arm_a_goal_compares_with():
     from benchmarks import numerics
-    assert numerics.arms_to_run(["fp8_delayed"]) == ["bf16", "fp8_current", "fp8_delayed"]
+    assert numerics.arms_to_run(["fp8_delayed"]) == ["bf16", "fp8_tensor_all", "fp8_delayed"]
     assert numerics.arms_to_run(["fp32"]) == ["bf16", "fp32"]
     with pytest.raises(ValueError, match="unknown arm.*fp9"):
         numerics.arms_to_run(["fp9"])

@@ -109,6 +109,33 @@ def test_a_users_model_under_autocast_keeps_half_precision_on_the_gpu(make):
         fp32.argument_by_dtype["float32"] - batch32, rel=0.01)
 
 
+def test_every_fp8_matmul_of_a_train_step_compiles_to_an_fp8_gemm():
+    """A user's MLP under make_train_step(autocast=True) and mixed_fp8, compiled for an H200:
+    each matmul's GEMMs (forward, both gradients) take 8-bit operands in the optimized
+    HLO, none is dequantized to a bf16 GEMM; under mixed_bfloat16 they are bf16 GEMMs."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w1": jax.random.normal(k1, (512, 1024)) * 0.02,
+              "w2": jax.random.normal(k2, (1024, 1024)) * 0.02,
+              "w3": jax.random.normal(k3, (1024, 512)) * 0.02}
+    batch = jnp.zeros((1024, 512), jnp.float32)
+
+    def loss(p, x):
+        h = jax.nn.relu(x @ p["w1"])
+        return jnp.mean((jax.nn.relu(h @ p["w2"]) @ p["w3"]).astype(jnp.float32) ** 2)
+    gemms = {}
+    for policy in ("mixed_fp8", "mixed_bfloat16"):
+        tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
+        state = jax.eval_shape(lambda p, tx=tx: jaxamp.TrainState.create(params=p, tx=tx),
+                               params)
+        step = jax.jit(jaxamp.make_train_step(loss, autocast=True), donate_argnums=0)
+        gemms[policy] = jaxamp.gpu_memory(step, state, _abstract(batch), target="h200").gemms
+    # 3 forward, 3 weight gradients, 2 input gradients (the batch's is never computed).
+    fp8 = {k: v for k, v in gemms["mixed_fp8"].items() if k.count("f8") == 2}
+    assert sum(fp8.values()) == 8 and fp8 == gemms["mixed_fp8"], gemms
+    assert fp8["f8e4m3fn x f8e4m3fn"] == 3  # the forward pass; e5m2 gradients in the others
+    assert gemms["mixed_bfloat16"] == {"bf16 x bf16": 8}, gemms
+
+
 @pytest.mark.parametrize("model_remat", ["no remat", "checkpoint"])
 def test_memory_goal_of_a_scanned_transformer_under_autocast(model_remat):
     """A memory goal (left out of CI with the others; tests/test_autocast.py checks the scan's
