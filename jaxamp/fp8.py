@@ -203,14 +203,14 @@ class CurrentScaling:
         if g == "mxfp8" and not self.power_of_two:
             raise ValueError("mxfp8's scales are powers of two (E8M0); for arbitrary scales per "
                              "tile use granularity='blocks'")
-        if self.keep is None:
-            object.__setattr__(self, "keep", KEEP)
-        elif not isinstance(self.keep, str):
-            raise ValueError(f"keep must be a regex string ('' for none), got {self.keep!r}")
+        keep = KEEP if self.keep is None else self.keep
+        if not isinstance(keep, str):
+            raise ValueError(f"keep must be a regex string ('' for none), got {keep!r}")
         try:
-            re.compile(self.keep)
+            re.compile(keep)
         except re.error as e:
-            raise ValueError(f"keep {self.keep!r} is not a valid regex: {e}") from e
+            raise ValueError(f"keep {keep!r} is not a valid regex: {e}") from e
+        object.__setattr__(self, "keep", keep)
         if not isinstance(self.batched, bool):
             raise ValueError(f"batched must be True or False, got {self.batched!r}")
         if self.weight_grad not in WEIGHT_GRADS:

@@ -861,7 +861,10 @@ def test_granularity_recipes_resolve_their_defaults_and_reject_bad_ones():
                             ({"granularity": "blocks", "block_size": 0}, "block_size must be"),
                             ({"granularity": "mxfp8", "power_of_two": False}, "E8M0"),
                             ({"weight_grad": "bf16"}, "unknown weight_grad"),
-                            ({"power_of_two": 1}, "power_of_two must be")]:
+                            ({"power_of_two": 1}, "power_of_two must be"),
+                            ({"keep": "("}, "not a valid regex"),
+                            ({"keep": 3}, "a regex string"),
+                            ({"batched": "yes"}, "batched must be")]:
         with pytest.raises(ValueError, match=message):
             fp8.CurrentScaling(**kwargs)
     with pytest.raises(TypeError, match="CurrentScaling recipe"):
