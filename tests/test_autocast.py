@@ -1552,8 +1552,13 @@ PAGE_CLAIMS = {
     "dtype": (
         "tests/test_fp8.py::test_current_scaling_dense_matches_the_dequantized_reference",
         "tests/test_fp8.py::test_gradients_keep_their_operands_dtypes_and_output_follows_preferred",
-        "tests/test_fp8.py::test_mixed_fp8_autocast_runs_every_matmul_of_a_user_nnx_model_in_fp8",
+        "tests/test_fp8.py::test_mixed_fp8_autocast_runs_a_user_nnx_models_matmuls_in_fp8_but_"
+        "head_and_attention",
         AC + "test_the_fp8_rule_quantizes_a_dot_general_under_any_half_policy"),
+    "the embeddings' and the head's matmuls and the attention's batched ones stay in the compute "
+    "dtype": (
+        "tests/test_fp8.py::test_an_fp8_recipe_keeps_the_head_and_attention_in_bf16_by_argument_"
+        "path",),
     "Convolutions keep the `compute` rule": (
         "tests/test_fp8.py::test_mixed_fp8_keeps_convolutions_in_bf16_and_linen_dense_in_fp8",),
     "`custom_vjp` functions, `shard_map` and `pmap` bodies, callbacks": (
