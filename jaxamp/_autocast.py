@@ -284,10 +284,12 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
                        regions=jnp.dtype(policy.compute_dtype) != jnp.float32,
                        fp8_recipe=policy.fp8 if isinstance(policy.fp8, fp8.CurrentScaling)
                        else fp8.CurrentScaling())
+    quantizes = "fp8" in checked.values()
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in with_paths]
         traced = [i for i, x in enumerate(leaves) if _is_array(x)]
 
         def flat_fn(*arrays):
@@ -298,9 +300,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             return fn(*a, **k)
 
         arrays = [leaves[i] for i in traced]
-        every_path = [tree_path_str(p) for p, _ in
-                      jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
-        paths = [every_path[i] for i in traced]
+        # Only the FP8 rule asks which argument a matmul reads.
+        paths = [tree_path_str(with_paths[i][0]) for i in traced]
         attention_calls: dict = {}
         with _marking_attention(attention_calls):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
@@ -313,7 +314,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         def evaluate(*arrays):
             ctx = dataclasses.replace(context, call=_Call(
                 scopes_seen=scopes_seen, attention=attention_calls,
-                arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)},
+                arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)}
+                if quantizes else {},
                 cheap={id(a): a for a in arrays} if recomputed else None,
                 near={} if recomputed else None))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
