@@ -82,6 +82,10 @@ GOALS = {
 }
 MODELS = {"char": {}, "wide": {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}}
 STEPS, SEEDS, WIDE_SEEDS = 1500, 10, 3
+# The training setting of every run: the text preset's peak learning rate and warmup, without
+# gradient clipping. A row records its setting, and rows of another setting are other runs
+# (rows without one are of this setting).
+SETTING = {"lr": 3e-3, "warmup_steps": 20, "grad_clip": 0.0}
 # --tiny: the char model at width 32, 4 steps of 16 x 16 bytes (the held-out split in 183
 # batches), one seed of bf16 and fp32 (the tests check the interval and the pairing on their
 # own); the wide model is the char model with other overrides.
@@ -102,6 +106,12 @@ def add_arguments(parser) -> None:
                         help=f"seeds of the wide model (default {WIDE_SEEDS})")
     parser.add_argument("--steps", type=int, default=STEPS,
                         help=f"training steps per run (default {STEPS})")
+    parser.add_argument("--lr", type=float, default=SETTING["lr"],
+                        help=f"peak learning rate (default {SETTING['lr']:g})")
+    parser.add_argument("--warmup-steps", type=int, default=SETTING["warmup_steps"],
+                        help=f"warmup steps (default {SETTING['warmup_steps']})")
+    parser.add_argument("--grad-clip", type=float, default=SETTING["grad_clip"],
+                        help=f"gradient clipping norm (default {SETTING['grad_clip']:g}: none)")
 
 
 def arms_to_run(names: list[str]) -> list[str]:
@@ -129,30 +139,41 @@ def interval(gaps: list[float]) -> tuple[float, float | None, float | None]:
     return mean, mean - half, mean + half
 
 
-def _config(model: str, arm: str, seed: int, steps: int, tiny: bool):
+def _config(model: str, arm: str, seed: int, steps: int, tiny: bool,
+            setting: dict | None = None):
     from train.configs import get_config
     models = TINY_MODELS if tiny else MODELS
-    return get_config("text", **ARMS[arm], seed=seed, steps=steps, eval_batches=0,
+    return get_config("text", **ARMS[arm], **(setting or SETTING), seed=seed, steps=steps,
+                      eval_batches=0,
                       progress=False, checkpoint_every=10**9, model_overrides=models[model],
                       **(TINY if tiny else {}))
 
 
-def _train(model: str, arm: str, seed: int, steps: int, tiny: bool) -> dict:
+def _train(model: str, arm: str, seed: int, steps: int, tiny: bool, setting: dict) -> dict:
     from train import train as train_lib
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
         run_dir = os.path.join(workdir, "run")
-        summary = train_lib.train_and_evaluate(_config(model, arm, seed, steps, tiny), run_dir)
+        summary = train_lib.train_and_evaluate(
+            _config(model, arm, seed, steps, tiny, setting), run_dir)
+        if summary["stopped_by_signal"]:
+            # A run a signal stopped is not recorded; the protocol resumes with it.
+            raise SystemExit(f"[numerics] {model} {arm} seed {seed} stopped by a signal at step "
+                             f"{summary['steps']}; it is not recorded, and the next run of "
+                             "the protocol runs it again")
         curve = train_lib.read_metrics(run_dir)
     return {"model": model, "arm": arm, "seed": seed, "steps": steps, "tiny": tiny,
-            "eval_loss": summary["eval_loss"], "skipped_steps": summary["skipped_steps"],
+            "setting": setting, "eval_loss": summary["eval_loss"],
+            "skipped_steps": summary["skipped_steps"],
             "seconds": round(time.perf_counter() - t0, 1),
             "curve_step": [int(s) for s in curve["step"]],
             "curve_loss": [float(x) for x in curve["loss"]]}
 
 
 def _key(row: dict) -> tuple:
-    return row["model"], row["arm"], row["seed"], row["steps"], row.get("tiny", False)
+    setting = row.get("setting", SETTING)
+    return (row["model"], row["arm"], row["seed"], row["steps"], row.get("tiny", False),
+            *(setting[k] for k in SETTING))
 
 
 def read_runs(path: str) -> list[dict]:
@@ -167,20 +188,27 @@ def _progress(message: str) -> None:
     print(f"[numerics] {message}", file=sys.stderr, flush=True)
 
 
-def run_protocol(plan: list[tuple[str, str, int]], steps: int, tiny: bool, path: str) -> list[dict]:
-    """Runs each ``(model, arm, seed)`` of ``plan`` that ``path`` does not hold yet, appending its
-    row as it ends; returns the rows of the plan."""
+def run_protocol(plan: list[tuple[str, str, int]], steps: int, tiny: bool, path: str,
+                 setting: dict | None = None) -> list[dict]:
+    """Runs each ``(model, arm, seed)`` of ``plan`` that ``path`` does not hold yet (with these
+    ``steps`` and ``setting``, by default :data:`SETTING`), appending its row as it ends;
+    returns the rows of the plan."""
+    setting = {**SETTING, **(setting or {})}
+
+    def key(p):
+        return (*p, steps, tiny, *(setting[k] for k in SETTING))
+
     done = {_key(r): r for r in read_runs(path)}
-    todo = [p for p in plan if (*p, steps, tiny) not in done]
+    todo = [p for p in plan if key(p) not in done]
     _progress(f"{len(plan) - len(todo)} of {len(plan)} runs already in {path}; "
               f"{len(todo)} to run")
     spent = []
     for i, (model, arm, seed) in enumerate(todo):
         # Another process may share the file (one per core): what it has done is not redone.
         done.update((_key(r), r) for r in read_runs(path))
-        if (model, arm, seed, steps, tiny) in done:
+        if key((model, arm, seed)) in done:
             continue
-        row = _train(model, arm, seed, steps, tiny)
+        row = _train(model, arm, seed, steps, tiny, setting)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         done[_key(row)] = row
@@ -189,7 +217,7 @@ def run_protocol(plan: list[tuple[str, str, int]], steps: int, tiny: bool, path:
         _progress(f"{model} {arm} seed {seed}: eval loss {row['eval_loss']:.4f} "
                   f"({row['seconds']:.0f} s; {i + 1}/{len(todo)} done, about "
                   f"{left / 60:.0f} min left)")
-    return [done[(*p, steps, tiny)] for p in plan]
+    return [done[key(p)] for p in plan]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -284,7 +312,9 @@ def run(args) -> list[dict]:
     # Seed by seed, so that an interrupted protocol has paired runs of every arm.
     plan = [(m, a, s) for m in models for s in range(seeds[m]) for a in arms]
     os.makedirs(args.out, exist_ok=True)
-    rows = run_protocol(plan, steps, tiny, os.path.join(args.out, "numerics_runs.jsonl"))
+    setting = {"lr": args.lr, "warmup_steps": args.warmup_steps, "grad_clip": args.grad_clip}
+    rows = run_protocol(plan, steps, tiny, os.path.join(args.out, "numerics_runs.jsonl"),
+                        setting)
     found = summarize(rows)
     plot(rows, os.path.join(args.out, "numerics.png"))
     harness.write_outputs(
@@ -292,7 +322,9 @@ def run(args) -> list[dict]:
         ["model", "arm", "vs", "seeds", "eval_loss", "gap", "ci_low", "ci_high", "goal",
          "holds"], args.out, None,
         f"{harness.machine()}; the text preset (char: 2 x 64 GPT; wide: width 256), {steps} "
-        "adamw steps; eval on the whole held-out split; gap: eval loss over the `vs` arm's with "
+        f"adamw steps, peak lr {args.lr:g}, {args.warmup_steps} warmup steps, "
+        f"{f'gradients clipped to norm {args.grad_clip:g}' if args.grad_clip else 'no clipping'}"
+        "; eval on the whole held-out split; gap: eval loss over the `vs` arm's with "
         "the same seed, minus 1, mean over seeds; ci: its 95% Student-t interval; a goal holds "
         "when ci_high <= goal.")
     return found

@@ -4,6 +4,17 @@ tests/train/ and tests/benchmarks/ import the shared ``helpers`` module too."""
 import jax
 import pytest
 
+# A test that reads one of these module fixtures is slow (see pyproject.toml's markers): each
+# runs benchmark suites end to end at their tiny size (test_bench.py's every suite but numerics,
+# test_gpu_suite.py's gpu suite in a process without jmp, equinox and torch).
+SLOW_FIXTURES = {"tiny_runs", "gpu_tiny"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def strict_promotion():

@@ -2,6 +2,7 @@
 batch, the reference loss-scale model, and paths. Test files import from here, never from
 one another."""
 
+import itertools
 import json
 import os
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -19,6 +21,16 @@ BATCH = 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+
+
+def covering_grid(*axes):
+    """The product of ``axes`` as pytest params, every combination but a covering set marked
+    slow: the i-th combination of the set takes each axis's i-th value (modulo its length), so
+    `make test` runs each value of each axis once and `make test-all` the whole product."""
+    width = max(len(axis) for axis in axes)
+    covering = {tuple(axis[i % len(axis)] for axis in axes) for i in range(width)}
+    return [pytest.param(*combo, marks=() if combo in covering else pytest.mark.slow,
+                         id="-".join(map(str, combo))) for combo in itertools.product(*axes)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from flax import linen
 from flax import nnx
 from helpers import assert_tree_bitwise_equal
 from helpers import bits
+from helpers import covering_grid
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -769,8 +770,9 @@ def test_each_granularity_matmul_and_gradients_match_the_dequantized_reference(n
         assert (np.abs(got - ref) <= 1e-5 * scale).all()  # every row, the small ones too
 
 
-@pytest.mark.parametrize("granularity", ["rowwise", "blocks", "mxfp8"])
-@pytest.mark.parametrize("spec", ["bhlm,bmhd->blhd", "ij,kj->ik", "btd,dhk->bthk"])
+# `make test`: each contraction and each granularity once; `make test-all`: the product.
+@pytest.mark.parametrize(("spec", "granularity"), covering_grid(
+    ["bhlm,bmhd->blhd", "ij,kj->ik", "btd,dhk->bthk"], ["rowwise", "blocks", "mxfp8"]))
 def test_fine_scales_of_batched_and_transposed_contractions_match_the_reference(granularity,
                                                                                 spec):
     # Batch axes and a transposed operand; a contraction-last rhs; one lhs axis to two.

@@ -27,7 +27,11 @@ def test_the_notebooks_are_there():
     ]
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+# The quickstart runs in `make test`; the others, whose steps the library's tests check in
+# process, in `make test-all`.
+@pytest.mark.parametrize("path", [pytest.param(p, marks=() if p.stem == "01_quickstart" else
+                                               pytest.mark.slow) for p in PATHS],
+                         ids=[p.stem for p in PATHS])
 def test_notebook_runs_in_small_mode(path):
     nb = nbformat.read(path, as_version=4)
     env = dict(os.environ, JAXAMP_NOTEBOOK_SMALL="1", MPLBACKEND="Agg")

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                          "precision-sensitive ops in fp32, whatever dtypes the model uses")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)
+    ap.add_argument("--warmup-steps", type=int, help="linear warmup before the cosine decay")
+    ap.add_argument("--grad-clip", type=float, metavar="NORM",
+                    help="clip the unscaled fp32 gradients to this global norm (default 0: off)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--parallel", choices=("none", "pmap", "jit"))
@@ -124,6 +127,8 @@ def main(argv=None):
         overrides["progress"] = False
     if args.num_classes is not None and args.num_classes < 1:
         _fail(f"--num-classes {args.num_classes}; expected a positive number of classes")
+    if args.grad_clip is not None and not args.grad_clip >= 0:
+        _fail(f"--grad-clip {args.grad_clip}; expected a norm >= 0 (0: no clipping)")
     config = get_config(args.config, **overrides)
     if args.fp8_recipe is not None and not jaxamp.get_policy(config.precision).fp8:
         _fail(f"--fp8-recipe {args.fp8_recipe} is for --precision mixed_fp8, got --precision "

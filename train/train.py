@@ -152,10 +152,14 @@ def fp8_recipe_of(config: Config, policy: jaxamp.Policy) -> jaxamp.fp8.DelayedSc
 
 def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
                        model_state: Any) -> jaxamp.TrainState:
-    """AdamW with warmup and cosine decay, wrapped by ``jaxamp.mixed_precision``."""
+    """AdamW with warmup and cosine decay (after clipping the gradients' global norm to
+    ``config.grad_clip``, when it is set), wrapped by ``jaxamp.mixed_precision``."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps,
                                                   max(config.steps, config.warmup_steps + 1))
-    tx = jaxamp.mixed_precision(optax.adamw(schedule, weight_decay=config.weight_decay),
+    inner = optax.adamw(schedule, weight_decay=config.weight_decay)
+    if config.grad_clip:
+        inner = optax.chain(optax.clip_by_global_norm(config.grad_clip), inner)
+    tx = jaxamp.mixed_precision(inner,
                                 policy, loss_scale=_loss_scale(config, policy),
                                 stall_after=config.stall_after or None, master=config.master,
                                 moments_dtype=config.moments_dtype, seed=config.seed)

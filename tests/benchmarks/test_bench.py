@@ -28,15 +28,22 @@ OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_app
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    """Every suite at --tiny but gpu and long_fp16, which their own modules run once
+    """Every suite at --tiny but gpu, long_fp16 and numerics, which their own fixtures run once
     (test_gpu_suite.py in a process without jmp, equinox and torch; test_long_fp16.py for 600
-    steps), on the other xdist worker."""
+    steps; ``numerics_tiny`` below, in `make test` as well), on the other xdist worker."""
     out = tmp_path_factory.mktemp("bench")
     results = {}
     for name in SUITES:
-        if name not in ("gpu", "long_fp16"):
+        if name not in ("gpu", "long_fp16", "numerics"):
             results.update(main([name, "--tiny", "--out", str(out)]))
     return out, results
+
+
+@pytest.fixture(scope="module")
+def numerics_tiny(tmp_path_factory):
+    """The numerics protocol's tiny pass (`make test` runs it; tiny_runs is `make test-all`'s)."""
+    out = tmp_path_factory.mktemp("numerics")
+    return out, main(["numerics", "--tiny", "--out", str(out)])
 
 
 def test_all_runs_every_suite_with_its_own_defaults(capsys):
@@ -318,8 +325,8 @@ def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
     jax.jit(lambda x: x * 2).lower(1.0).compile(options)
 
 
-def test_numerics_suite_evaluates_each_arm_on_the_whole_split(tiny_runs):
-    out, _ = tiny_runs
+def test_numerics_suite_evaluates_each_arm_on_the_whole_split(numerics_tiny):
+    out, _ = numerics_tiny
     runs = read_jsonl(out / "numerics_runs.jsonl")
     assert [(r["arm"], r["seed"]) for r in runs] == [("bf16", 0), ("fp32", 0)]
     for r in runs:
@@ -386,10 +393,10 @@ def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, mon
     from benchmarks import numerics
     trained = []
 
-    def fake_train(model, arm, seed, steps, tiny):
+    def fake_train(model, arm, seed, steps, tiny, setting):
         trained.append((model, arm, seed))
         return {**_numerics_rows({arm: [2.0 + seed]}, model)[0], "seed": seed, "steps": steps,
-                "tiny": tiny, "seconds": 0.0}
+                "tiny": tiny, "setting": setting, "seconds": 0.0}
 
     monkeypatch.setattr(numerics, "_train", fake_train)
     path = str(tmp_path / "numerics_runs.jsonl")
@@ -403,19 +410,29 @@ def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, mon
     assert len(numerics.read_runs(path)) == 7
     numerics.run_protocol(more, 4, False, path)  # other steps: other runs
     assert len(trained) == 14
+    clipped = numerics.run_protocol(more[:2], 4, False, path, {"grad_clip": 1.0})  # and so on
+    assert len(trained) == 16 and [r["setting"]["grad_clip"] for r in clipped] == [1.0, 1.0]
+    assert clipped[0]["setting"]["lr"] == numerics.SETTING["lr"]
+    # A row without a setting (the protocol's first runs) is of the default setting.
+    legacy = fake_train("char", "none", 0, 3, False, None)
+    del legacy["setting"]
+    with open(path, "a") as f:
+        f.write(json.dumps(legacy) + "\n")
+    numerics.run_protocol([("char", "none", 0)], 3, False, path)
+    assert len(trained) == 17  # the one fake_train call above; the run was not repeated
     # A run another process appends while this one works through its plan is not run again.
     other = ("char", "fp8_current", 0)
     real_train = fake_train
 
-    def train_while_another_process_appends(model, arm, seed, steps, tiny):
-        row = real_train(model, arm, seed, steps, tiny)
+    def train_while_another_process_appends(model, arm, seed, steps, tiny, setting):
+        row = real_train(model, arm, seed, steps, tiny, setting)
         with open(path, "a") as f:
             f.write(json.dumps({**row, "arm": other[1], "seed": other[2]}) + "\n")
         return row
 
     monkeypatch.setattr(numerics, "_train", train_while_another_process_appends)
     rows = numerics.run_protocol([("char", "kahan", 0), other], 3, False, path)
-    assert trained[-1] == ("char", "kahan", 0) and len(trained) == 15
+    assert trained[-1] == ("char", "kahan", 0) and len(trained) == 18
     assert [r["arm"] for r in rows] == ["kahan", "fp8_current"]
 
 
@@ -430,3 +447,14 @@ def test_numerics_runs_the_twin_and_every_arm_a_goal_compares_with():
         "kahan", "bfloat16", "mixed_bfloat16")
     assert config.model_overrides == {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}
     assert config.eval_batches == 0 and config.seed == 3 and config.model == "gpt_tiny"
+
+
+def test_a_numerics_run_a_signal_stopped_is_not_recorded(tmp_path, monkeypatch):
+    from benchmarks import numerics
+    from train import train as train_lib
+    monkeypatch.setattr(train_lib, "train_and_evaluate",
+                        lambda config, workdir: {"stopped_by_signal": True, "steps": 7})
+    path = tmp_path / "numerics_runs.jsonl"
+    with pytest.raises(SystemExit, match="wide bf16 seed 0 stopped by a signal at step 7"):
+        numerics.run_protocol([("wide", "bf16", 0)], 1500, False, str(path))
+    assert numerics.read_runs(str(path)) == []

@@ -9,7 +9,8 @@ from helpers import reference_sequence
 from benchmarks.__main__ import main
 
 # Under pytest-xdist, the tests sharing a module-scoped fixture run on one worker.
-pytestmark = pytest.mark.xdist_group("long_fp16")
+# 600 fp16 steps; tests/test_loss_scale.py checks the scale's sequence step by step in `make test`.
+pytestmark = [pytest.mark.xdist_group("long_fp16"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,8 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     assert steps == [summary["steps"]]
 
 
+# tests/test_sharding.py checks pmap and the data-parallel jit bit for bit in process.
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["pmap", "jit"])
 def test_parallel_layouts_run(tmp_path, parallel):
     summary = _run(tmp_path, "--parallel", parallel, "--precision", "mixed_bfloat16")

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from helpers import ROOT
 from helpers import assert_tree_bitwise_equal
 from helpers import final_state as _final_state
@@ -131,6 +132,9 @@ def _data_position(workdir, step):
         return json.load(f)
 
 
+# test_cli.py's resume test (interrupted at a checkpoint, resumed bit for bit) runs in
+# `make test`; the kills mid-step and mid-write, in `make test-all`.
+@pytest.mark.slow
 def test_kill_9_at_random_points_and_mid_write_then_resume_is_bit_identical(tmp_path):
     # The uninterrupted run (a checkpoint every EVERY steps, all kept) runs alongside.
     reference = tmp_path / "straight"

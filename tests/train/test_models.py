@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 from helpers import assert_tree_bitwise_equal
+from helpers import covering_grid
 
 import jaxamp
 from train import models
@@ -97,8 +98,8 @@ def assert_trees_differ(a, b):
 # Every family x every policy: forward, one step, a skipped step
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("family", FAMILIES)
+# `make test`: each family and each policy once; `make test-all`: the product.
+@pytest.mark.parametrize(("family", "policy"), covering_grid(list(FAMILIES), POLICIES))
 def test_forward_and_step(family, policy):
     model, graphdef, state, step = setup(family, policy)
     compute = jnp.dtype(jaxamp.get_policy(policy).compute_dtype)
@@ -462,3 +463,23 @@ def test_the_fp8_options_give_the_current_recipe_and_bad_combinations_are_errors
                          ({"fp8_granularity": "columns"}, "unknown FP8 granularity")]:
         with pytest.raises(ValueError, match=message):
             train_lib.check_fp8(get_config("text", precision="mixed_fp8", **bad))
+
+
+def test_grad_clip_clips_the_unscaled_fp32_gradients_before_adamw():
+    """``grad_clip``: adamw sees the gradients after unscaling (fp16's loss scale is 2**16
+    here) and clipping to the global norm: 0.01 on each of 4 params, norm 0.02, clipped to
+    0.005, is 0.0025 each, and adam's first moment after one step is 0.1 of it."""
+    from train import train as train_lib
+    from train.configs import get_config
+    policy = jaxamp.get_policy("mixed_float16")
+    step = jaxamp.make_train_step(lambda p, b: jnp.sum(p["w"].astype(F32) * b))
+    mu = {}
+    for clip in (0.0, 0.005):
+        config = get_config("text", precision="mixed_float16", grad_clip=clip, steps=10)
+        state = train_lib.create_train_state(config, policy, {"w": jnp.ones(4, F32)}, None)
+        state, _ = step(state, jnp.full(4, 0.01, F32))
+        adam, = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: isinstance(
+            s, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+        mu[clip] = np.asarray(adam.mu["w"])
+    np.testing.assert_allclose(mu[0.0], 0.1 * 0.01, rtol=1e-3)
+    np.testing.assert_allclose(mu[0.005], 0.1 * 0.0025, rtol=1e-3)

@@ -21,6 +21,8 @@ class Config:
     lr: float = 1e-3
     weight_decay: float = 1e-4
     warmup_steps: int = 20
+    # Clip the unscaled fp32 gradients to this global norm before adamw (0: no clipping).
+    grad_clip: float = 0.0
     seed: int = 0
     parallel: str = "none"  # none | pmap | jit
     # parallel="jit" only: 0 replicates the state on every device; 1 shards the fp32 master and
