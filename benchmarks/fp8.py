@@ -1,9 +1,10 @@
 """Suite ``fp8``: FP8 training against bf16 on real data, the FP8 share of the matmuls, and what
 FP8 adds to the step.
 
-    python -m benchmarks fp8 [--seeds 3] [--first-seed 0] [--steps 1500] [--tiny]
+    python -m benchmarks fp8 [--tables parity,cost,errors] [--seeds 3] [--first-seed 0]
+                             [--steps 1500] [--errors-every 250] [--tiny]
 
-Three tables:
+Four tables:
 
 - **parity**: the CLI's ``text`` preset (the 2 x 64 character GPT on Python's ``pydoc_data``,
   32 x 64 bytes a step) under ``mixed_bfloat16`` and ``mixed_fp8`` with every matmul in FP8
@@ -16,6 +17,12 @@ Three tables:
   ``cost_analysis()`` (FLOPs and bytes accessed) and the saved activations of its gradient,
   against ``mixed_bfloat16``. XLA:CPU has no FP8 matmul unit: it converts the 8-bit operands
   and multiplies in fp32, so these are the program's bytes, not a GPU's.
+- **errors**: which FP8 matmul loses what, along training. The same model under the default
+  ``mixed_fp8`` recipe (the embeddings, the head and the attention's batched matmuls in bf16)
+  trains for ``--steps`` (seed 0); every ``--errors-every`` steps, ``jaxamp.fp8.error_report``
+  of the loss on the first held-out batch, from the fp32 master params: per matmul, the
+  relative error of its forward, input-gradient and weight-gradient GEMMs against the same
+  matmul in fp32. ``fp8_errors.png`` plots each matmul's three errors against the step.
 """
 
 from __future__ import annotations
@@ -38,6 +45,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds (default 3)")
     parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     parser.add_argument("--steps", type=int, default=1500, help="steps per run (default 1500)")
+    parser.add_argument("--tables", default=",".join(TABLES),
+                        help=f"comma-separated, of {', '.join(TABLES)} (default: all)")
+    parser.add_argument("--errors-every", type=int, default=250,
+                        help="steps between two error reports (default 250)")
+
+
+TABLES = ("parity", "cost", "errors")
 
 
 TINY = dict(model_overrides={"gpt": {"depth": 1, "width": 32, "mlp": 64}}, batch_size=4,
@@ -120,8 +134,81 @@ def _share_and_cost(tiny: bool) -> list[dict]:
     return rows
 
 
+def _errors(steps: int, every: int, tiny: bool) -> list[dict]:
+    from train import train as train_lib
+    from train.configs import get_config
+    config = get_config("text", precision="mixed_fp8", progress=False, steps=steps, seed=0,
+                        **(TINY if tiny else {}))
+    policy = train_lib.policy_of(config)
+    batches, evals, meta = train_lib.build_data(config)
+    params, model_state, loss_fn, _, flags = train_lib.build_model(config, policy, meta)
+    state = train_lib.create_train_state(config, policy, params, model_state)
+    step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True, **flags), donate_argnums=0)
+    probe = next(iter(evals))
+    extra = {"model_state": state.model_state} if flags.get("has_model_state") else {}
+
+    def loss(p, batch):
+        return loss_fn(p, batch, **extra)[0]
+    rows = []
+    for i in range(steps + 1):
+        if i % every == 0 or i == steps:
+            report = jaxamp.fp8.error_report(loss, state.master_params, probe, policy=policy)
+            for m in report.matmuls:
+                rows.append({"step": i, "matmul": m.site, "shapes": m.shapes,
+                             "forward": m.forward, "grad_lhs": m.grad_lhs,
+                             "grad_rhs": m.grad_rhs})
+            print(f"[fp8 errors] step {i}\n{report}", flush=True)
+        if i < steps:
+            state, _ = step(state, next(batches))
+    return rows
+
+
+def _plot_errors(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxamp._fp8_errors import GEMMS
+    fig, axes = plt.subplots(1, len(GEMMS), figsize=(14, 4.2), sharey=True)
+    for ax, gemm in zip(axes, GEMMS, strict=True):
+        for site in dict.fromkeys(r["matmul"] for r in rows):
+            mine = [r for r in rows if r["matmul"] == site]
+            ax.plot([r["step"] for r in mine], [100 * r[gemm] for r in mine], marker="o",
+                    ms=3, lw=1.1, label=site.removeprefix("args[0]/"))
+        ax.set(title=f"{gemm}: FP8 against fp32", xlabel="step", ylabel="relative error, %")
+    axes[-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args) -> dict:
     tiny = args.tiny
+    tables = [t for t in getattr(args, "tables", ",".join(TABLES)).split(",") if t]
+    unknown = sorted(set(tables) - set(TABLES))
+    if unknown:
+        raise ValueError(f"unknown table(s) {', '.join(unknown)}; expected some of "
+                         f"{', '.join(TABLES)}")
+    out: dict = {}
+    if "parity" in tables:
+        out["parity"] = _parity_table(args, tiny)
+    if "cost" in tables:
+        out["cost"] = _cost_table(args, tiny)
+    if "errors" in tables:
+        steps = 4 if tiny else args.steps
+        errors = _errors(steps, 2 if tiny else args.errors_every, tiny)
+        harness.write_outputs(
+            "fp8_errors", errors, ["step", "matmul", "shapes", "forward", "grad_lhs",
+                                   "grad_rhs"], args.out, None,
+            f"{harness.machine()}; the text preset (char GPT) under mixed_fp8's default recipe, "
+            f"seed 0, {steps} steps; jaxamp.fp8.error_report on the first held-out batch: each "
+            "GEMM's mean relative error over its rows against fp32.")
+        _plot_errors(errors, os.path.join(args.out, "fp8_errors.png"))
+        out["errors"] = errors
+    return out
+
+
+def _parity_table(args, tiny: bool) -> list[dict]:
     first = getattr(args, "first_seed", 0)
     parity = _parity(4 if tiny else args.steps,
                      range(1) if tiny else range(first, first + args.seeds), tiny)
@@ -130,6 +217,10 @@ def run(args) -> dict:
         args.out, None,
         f"{harness.machine()}; the text preset (char GPT), adamw with warmup and cosine decay; "
         "vs_bf16 is the relative change of the eval loss against mixed_bfloat16, same seed.")
+    return parity
+
+
+def _cost_table(args, tiny: bool) -> list[dict]:
     cost = _share_and_cost(tiny)
     harness.write_outputs(
         "fp8_cost", cost, ["precision", "fp8_share", "matmul_gflop", "saved_mb",
@@ -138,4 +229,4 @@ def run(args) -> dict:
         f"{harness.machine()}; one train step of the text preset's model "
         f"({'tiny' if tiny else '32 x 64 tokens'}): FP8 share by jaxamp.audit_grad; bytes "
         "and FLOPs by XLA:CPU's cost_analysis().")
-    return {"parity": parity, "cost": cost}
+    return cost

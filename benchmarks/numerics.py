@@ -83,9 +83,10 @@ GOALS = {
 MODELS = {"char": {}, "wide": {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}}
 STEPS, SEEDS, WIDE_SEEDS = 1500, 10, 3
 # The training setting of every run: the text preset's peak learning rate and warmup, without
-# gradient clipping. A row records its setting, and rows of another setting are other runs
-# (rows without one are of this setting).
-SETTING = {"lr": 3e-3, "warmup_steps": 20, "grad_clip": 0.0}
+# gradient clipping. A row records its setting, and rows of another setting are other runs;
+# rows without one (the protocol's first runs) are of FIRST_SETTING.
+FIRST_SETTING = {"lr": 3e-3, "warmup_steps": 20, "grad_clip": 0.0}
+SETTING = dict(FIRST_SETTING)
 # --tiny: the char model at width 32, 4 steps of 16 x 16 bytes (the held-out split in 183
 # batches), one seed of bf16 and fp32 (the tests check the interval and the pairing on their
 # own); the wide model is the char model with other overrides.
@@ -171,7 +172,7 @@ def _train(model: str, arm: str, seed: int, steps: int, tiny: bool, setting: dic
 
 
 def _key(row: dict) -> tuple:
-    setting = row.get("setting", SETTING)
+    setting = row.get("setting") or FIRST_SETTING
     return (row["model"], row["arm"], row["seed"], row["steps"], row.get("tiny", False),
             *(setting[k] for k in SETTING))
 

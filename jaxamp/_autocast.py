@@ -114,6 +114,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import source_info_util
 
+from jaxamp import _fp8_errors
 from jaxamp import fp8
 from jaxamp import ops
 from jaxamp._jaxpr import CALLS
@@ -124,6 +125,7 @@ from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import nested_stack
 from jaxamp._jaxpr import sub_jaxprs
+from jaxamp._jaxpr import where
 from jaxamp._policy import get_policy
 from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
@@ -1147,8 +1149,17 @@ class _Fp8(_Compute):
 
     def bind(self, ctx, eqn, invals):
         lhs, rhs = invals
-        return [fp8_dot_general(lhs, rhs, eqn.params["dimension_numbers"],
-                                preferred_element_type=ctx.compute, recipe=ctx.fp8_recipe)]
+        dims = eqn.params["dimension_numbers"]
+        probe = _fp8_errors.active_probe()
+        if probe is not None:  # jaxamp.fp8.error_report: each GEMM against its fp32 twin
+            # Named by the argument it reads, the rhs's first (``x @ w``: the weight).
+            paths = [ctx.call.argument_path(x) for x in reversed(invals)]
+            site = probe.site(_fp8_errors.argument_name(next((p for p in paths if p), None))
+                              or where(eqn), lhs, rhs)
+            return [_fp8_errors.probed_dot(probe, site, lhs, rhs, dims, ctx.compute,
+                                           ctx.fp8_recipe)]
+        return [fp8_dot_general(lhs, rhs, dims, preferred_element_type=ctx.compute,
+                                recipe=ctx.fp8_recipe)]
 
 
 _RULES: dict[str, _Rule] = {"compute": _Compute(), "float32": _Float32(), "promote": _Rule(),

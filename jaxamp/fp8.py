@@ -53,6 +53,9 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
 from jaxamp import _model_state
+from jaxamp._fp8_errors import Fp8ErrorReport
+from jaxamp._fp8_errors import MatmulError
+from jaxamp._fp8_errors import error_report
 from jaxamp._tree import State
 from jaxamp._tree import static_field
 
@@ -64,9 +67,11 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
     from jaxamp._fp8_nnx import Linear
 
 __all__ = ["AMAX_ALGOS", "FORMATS", "GRANULARITIES", "KEEP", "WEIGHT_GRADS", "CurrentScaling",
-           "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Fp8State", "Linear",
+           "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp", "Fp8ErrorReport", "Fp8Meta",
+           "Fp8State", "Linear", "MatmulError",
            "amax", "block_scales", "compute_scale", "delayed_dot_general", "dequantize",
-           "dequantize_blocks", "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize",
+           "dequantize_blocks", "error_report", "find_fp8_states", "fp8_dot_general", "fp8_max",
+           "quantize",
            "quantize_blocks", "round_to_power_of_two", "update_fp8_state"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)

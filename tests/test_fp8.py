@@ -895,3 +895,70 @@ def test_autocast_runs_a_policys_fp8_recipe():
     # Rowwise runs FP8 GEMMs: the audit counts them, all but the head's and attention's.
     report = jaxamp.audit_grad(jaxamp.autocast(loss_fn, policy), params, batch)
     assert 0.5 < report.fp8_matmul_share < 0.6
+
+
+# --------------------------------------------------------------------------------------------
+# The error report: which FP8 matmul loses what
+# --------------------------------------------------------------------------------------------
+
+EVERY_MATMUL = fp8.CurrentScaling(keep="", batched=True)
+
+
+def _fp8_policy(recipe=EVERY_MATMUL):
+    return jaxamp.Policy(F32, jnp.bfloat16, F32, fp8=recipe)
+
+
+def _two_layers(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["head"]["kernel"])
+
+
+def test_the_error_report_is_zero_where_fp8_is_exact_and_names_each_matmul_by_its_argument():
+    # 3.5 and 7.0 (scales 128 and 64) and a gradient of ones (scale 57344) are exact in FP8;
+    # tanh(98) is 1.0 exactly, and so is every product after it.
+    p = {"w1": jnp.full((4, 8), 7.0), "head": {"kernel": jnp.full((8, 2), 0.5)}}
+    report = fp8.error_report(_two_layers, p, jnp.full((2, 4), 3.5), policy=_fp8_policy())
+    assert [(m.site, m.shapes, m.calls) for m in report.matmuls] == [
+        ("args[0]/w1", "(2, 4) x (4, 8)", 1), ("args[0]/head/kernel", "(2, 8) x (8, 2)", 1)]
+    assert all((m.forward, m.grad_lhs, m.grad_rhs) == (0.0, 0.0, 0.0) for m in report.matmuls)
+    assert "0.00%     0.00%     0.00%  args[0]/head/kernel [(2, 8) x (8, 2)]" in str(report)
+
+
+def test_the_error_report_finds_the_outlier_that_per_tensor_scales_lose_and_rows_keep():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    p = {"w1": jax.random.normal(k1, (64, 64)) / 8,
+         "head": {"kernel": jax.random.normal(k2, (64, 64)) / 8}}
+    x = jax.random.normal(k3, (32, 64)).at[0].mul(2.0**16)  # one token 65536 times the others
+    tensor = fp8.error_report(_two_layers, p, x, policy=_fp8_policy())
+    rows = fp8.error_report(_two_layers, p, x, policy=_fp8_policy(
+        fp8.CurrentScaling(keep="", granularity="rowwise")))
+    # Per tensor, the other 31 tokens fall below e4m3's range: the first matmul's outputs for
+    # them are lost (the head's input, after tanh, has no outlier). One scale per row keeps them.
+    assert tensor.worst(1)[0].site == "args[0]/w1" and tensor.matmuls[0].forward > 0.1
+    assert tensor.matmuls[0].forward > 3 * rows.matmuls[0].forward
+    assert tensor.matmuls[1].forward < 0.08, tensor
+    # Where the rows are the tokens, what remains is FP8's own rounding. The weight gradient
+    # contracts over the tokens: the outlier is in each of its rows, so rows help less there.
+    assert all(0 < e < 0.05 for m in rows.matmuls for e in (m.forward, m.grad_lhs))
+    assert rows.matmuls[0].grad_rhs < tensor.matmuls[0].grad_rhs / 2
+
+
+def test_the_error_report_counts_a_scanned_layer_and_names_a_matmul_without_argument_by_line():
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h @ h.T)  # two computed values: named by this line
+    ws = jax.random.normal(jax.random.key(1), (3, 16, 16)) / 4
+    report = fp8.error_report(loss, ws, jnp.ones((4, 16)), policy=_fp8_policy())
+    scanned, gram = report.matmuls
+    assert scanned.calls == 3 and scanned.shapes == "(4, 16) x (16, 16)"
+    assert gram.calls == 1 and "test_fp8.py:" in gram.site and gram.site.endswith(".loss)")
+    assert all(np.isfinite([m.forward, m.grad_lhs, m.grad_rhs]).all() for m in report.matmuls)
+
+
+def test_the_error_report_leaves_out_what_the_recipe_keeps_and_needs_an_fp8_policy():
+    p = {"w1": jnp.ones((4, 8)), "head": {"kernel": jnp.ones((8, 2))}}
+    report = fp8.error_report(_two_layers, p, jnp.ones((2, 4)))  # mixed_fp8 keeps the head
+    assert [m.site for m in report.matmuls] == ["args[0]/w1"]
+    with pytest.raises(ValueError, match="error_report measures FP8 matmuls, and policy"):
+        fp8.error_report(_two_layers, p, jnp.ones((2, 4)), policy="mixed_bfloat16")

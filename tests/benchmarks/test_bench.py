@@ -4,6 +4,7 @@ compare like with like."""
 import importlib.util
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from helpers import ROOT
 from helpers import read_jsonl
 
+import jaxamp
 from benchmarks import cpu_flags
 from benchmarks import harness
 from benchmarks.__main__ import SUITES
@@ -146,6 +148,14 @@ def test_fp8_suite_writes_parity_and_cost(tiny_runs):
     for r in cost.values():  # the same model: the same matmul FLOPs
         assert r["matmul_gflop"] == cost["bf16"]["matmul_gflop"] and r["xla_gbytes"] > 0
     assert cost["fp8_current"]["saved_by_dtype"]["float8_e4m3fn"] > 0
+    # The default recipe's FP8 matmuls (the blocks' kernels), at steps 0, 2 and 4.
+    errors = read_jsonl(out / "fp8_errors.jsonl")
+    assert sorted({r["step"] for r in errors}) == [0, 2, 4]
+    sites = list(dict.fromkeys(r["matmul"] for r in errors))
+    assert sites and all(s.startswith("args[0]/") and "kernel" in s for s in sites), sites
+    assert not [s for s in sites if re.search(jaxamp.fp8.KEEP, s)]  # the head stays bf16
+    assert all(0 < r[g] < 0.2 for r in errors for g in ("forward", "grad_lhs", "grad_rhs"))
+    assert (out / "fp8_errors.png").stat().st_size > 10_000
 
 
 def test_peer_steps_compute_the_same_first_loss_and_train(tiny_runs):
@@ -413,12 +423,12 @@ def test_an_interrupted_numerics_protocol_resumes_where_it_stopped(tmp_path, mon
     clipped = numerics.run_protocol(more[:2], 4, False, path, {"grad_clip": 1.0})  # and so on
     assert len(trained) == 16 and [r["setting"]["grad_clip"] for r in clipped] == [1.0, 1.0]
     assert clipped[0]["setting"]["lr"] == numerics.SETTING["lr"]
-    # A row without a setting (the protocol's first runs) is of the default setting.
+    # A row without a setting (the protocol's first runs) is of FIRST_SETTING.
     legacy = fake_train("char", "none", 0, 3, False, None)
     del legacy["setting"]
     with open(path, "a") as f:
         f.write(json.dumps(legacy) + "\n")
-    numerics.run_protocol([("char", "none", 0)], 3, False, path)
+    numerics.run_protocol([("char", "none", 0)], 3, False, path, numerics.FIRST_SETTING)
     assert len(trained) == 17  # the one fake_train call above; the run was not repeated
     # A run another process appends while this one works through its plan is not run again.
     other = ("char", "fp8_current", 0)
