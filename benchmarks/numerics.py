@@ -2,7 +2,8 @@
 with a 95% confidence interval over paired seeds.
 
     python -m benchmarks numerics [--arms bf16,fp32,...] [--models char,wide] [--seeds 10]
-                                  [--wide-seeds 3] [--steps 1500] [--out runs/bench]
+                                  [--wide-seeds 3] [--steps 1500] [--lr 3e-3]
+                                  [--warmup-steps 20] [--grad-clip 0] [--out runs/bench]
 
 The protocol, for any recipe (a precision, an FP8 recipe, a master or moments option):
 
@@ -17,6 +18,9 @@ The protocol, for any recipe (a precision, an FP8 recipe, a master or moments op
   n - 1 degrees of freedom on the paired gaps. A goal holds only when the interval's upper
   bound is at or under it. The null, ``fp32`` against ``bf16``, is measured the same way: its
   interval's half-width is what the protocol can resolve.
+- **The setting.** ``--lr``, ``--warmup-steps`` and ``--grad-clip`` (the global norm of the
+  unscaled fp32 gradients, 0: none) set every run's training; a row records its setting, and
+  runs of another setting are other runs.
 - **Two models.** ``char``: the CLI's ``text`` preset, the 2 x 64 character GPT (``gpt_tiny``),
   1500 adamw steps of 32 x 64 bytes with warmup and cosine decay, ``--seeds`` seeds (default
   10). ``wide``: the same at width 256 (4 heads, MLP 1024), ``--wide-seeds`` seeds (default 3),
@@ -54,6 +58,7 @@ ARMS = {
                         "fp8_keep_bf16": False},
     "fp8_current": {"precision": "mixed_fp8", "fp8_recipe": "current"},
     "fp8_delayed": {"precision": "mixed_fp8", "fp8_recipe": "delayed"},
+    "fp8_current_hp_wgrad": {"precision": "mixed_fp8", "fp8_weight_grad": "high"},
     "fp8_rowwise": {"precision": "mixed_fp8", "fp8_granularity": "rowwise"},
     "fp8_rowwise_hp_wgrad": {"precision": "mixed_fp8", "fp8_granularity": "rowwise",
                              "fp8_weight_grad": "high"},
@@ -72,6 +77,7 @@ GOALS = {
     "fp8_rowwise_all": ("bf16", 0.01),
     "fp8_current": ("bf16", 0.01),
     "fp8_delayed": ("fp8_tensor_all", 0.0025),
+    "fp8_current_hp_wgrad": ("bf16", 0.003),
     "fp8_rowwise": ("bf16", 0.01),
     "fp8_rowwise_hp_wgrad": ("bf16", 0.003),
     "fp8_blocks": ("bf16", 0.01),

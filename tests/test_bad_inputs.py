@@ -488,6 +488,13 @@ def test_num_classes_below_one_is_refused(tmp_path, capsys):
     assert "--num-classes 0; expected a positive number of classes" in err
 
 
+@pytest.mark.parametrize("norm", ["-1", "nan"])
+def test_a_negative_or_nan_grad_clip_is_refused(tmp_path, capsys, norm):
+    path = _npz(image=_images(), label=_LABELS)(tmp_path)
+    err = _cli_error(tmp_path, capsys, path, "--grad-clip", norm)
+    assert f"--grad-clip {float(norm)}; expected a norm >= 0 (0: no clipping)" in err
+
+
 def test_a_good_data_file_is_summarized_with_its_inferred_classes(tmp_path, capsys):
     from train import cli
     from train.configs import get_config
