@@ -181,10 +181,13 @@ def _train(model: str, arm: str, seed: int, steps: int, tiny: bool, setting: dic
             "curve_loss": [float(x) for x in curve["loss"]]}
 
 
-def _key(row: dict) -> tuple:
-    setting = row.get("setting") or FIRST_SETTING
-    return (row["model"], row["arm"], row["seed"], row["steps"], row.get("tiny", False),
-            *(setting[k] for k in SETTING))
+def _key(model: str, arm: str, seed: int, steps: int, tiny: bool, setting: dict) -> tuple:
+    return (model, arm, seed, steps, tiny, *(setting[k] for k in SETTING))
+
+
+def _row_key(row: dict) -> tuple:
+    return _key(row["model"], row["arm"], row["seed"], row["steps"], row.get("tiny", False),
+                row.get("setting") or FIRST_SETTING)
 
 
 def read_runs(path: str) -> list[dict]:
@@ -207,22 +210,22 @@ def run_protocol(plan: list[tuple[str, str, int]], steps: int, tiny: bool, path:
     setting = {**SETTING, **(setting or {})}
 
     def key(p):
-        return (*p, steps, tiny, *(setting[k] for k in SETTING))
+        return _key(*p, steps, tiny, setting)
 
-    done = {_key(r): r for r in read_runs(path)}
+    done = {_row_key(r): r for r in read_runs(path)}
     todo = [p for p in plan if key(p) not in done]
     _progress(f"{len(plan) - len(todo)} of {len(plan)} runs already in {path}; "
               f"{len(todo)} to run")
     spent = []
     for i, (model, arm, seed) in enumerate(todo):
         # Another process may share the file (one per core): what it has done is not redone.
-        done.update((_key(r), r) for r in read_runs(path))
+        done.update((_row_key(r), r) for r in read_runs(path))
         if key((model, arm, seed)) in done:
             continue
         row = _train(model, arm, seed, steps, tiny, setting)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        done[_key(row)] = row
+        done[_row_key(row)] = row
         spent.append(row["seconds"])
         left = statistics.fmean(spent) * (len(todo) - i - 1)
         _progress(f"{model} {arm} seed {seed}: eval loss {row['eval_loss']:.4f} "
