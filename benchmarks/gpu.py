@@ -106,7 +106,7 @@ class Precision:
     torch_compile: bool = False
     zero: int = 0  # 0: one device, as the user jits it; 3: state_sharding(params="sharded")
     master: str = "float32"  # mixed_precision(master=...)
-    moments_dtype: str | None = None  # mixed_precision(moments_dtype=...)
+    moments_dtype: str | None = None  # mixed_precision(moments_dtype=...), as the CLI's flag
     fp8_recipe: str | None = None  # "delayed": the model built with jaxamp.fp8's layers
     fp8_every_matmul: bool = False  # current scaling of every matmul, the head's too
     attention: str | None = None  # TransformerConfig.attention; None: the case's
@@ -142,6 +142,15 @@ PRECISIONS = {
                                            "moments (6 bytes per param), skip='auto'", "jaxamp",
                                            "mixed_bfloat16", skip="auto", master="stochastic",
                                            moments_dtype="bfloat16"),
+    "mixed_bfloat16_kahan_mu": Precision("jaxamp mixed_bfloat16, master='kahan', adamw's mu in "
+                                         "bf16 and nu in fp32 (10 bytes per param), "
+                                         "skip='auto'", "jaxamp", "mixed_bfloat16",
+                                         skip="auto", master="kahan",
+                                         moments_dtype="mu=bfloat16"),
+    "mixed_bfloat16_kahan_8bit": Precision("jaxamp mixed_bfloat16, master='kahan', block-wise "
+                                           "8-bit moments (about 6 bytes per param), "
+                                           "skip='auto'", "jaxamp", "mixed_bfloat16",
+                                           skip="auto", master="kahan", moments_dtype="8bit"),
     "mixed_fp8_current": Precision("jaxamp mixed_fp8 through make_train_step(autocast=True): "
                                    "every matmul in FP8, current scaling, skip='auto'",
                                    "autocast", "mixed_fp8", skip="auto", peak="float8",
@@ -170,7 +179,8 @@ CORE = {
 EXTENDED = {
     "resnet50": ("mixed_float16", "torch_amp_fp16", "mixed_bfloat16_kahan"),
     "bert_large": ("mixed_bfloat16_explicit", "mixed_float16", "mixed_fp8_delayed",
-                   "mixed_bfloat16_zero3", "mixed_bfloat16_stochastic"),
+                   "mixed_bfloat16_zero3", "mixed_bfloat16_stochastic",
+                   "mixed_bfloat16_kahan_mu", "mixed_bfloat16_kahan_8bit"),
     "nnx_gpt": (),
 }
 SETS = {"core": CORE, "extended": EXTENDED,
@@ -205,6 +215,8 @@ H200_SECONDS = {  # (model, precision): (compile s, rest s, measured or est)
     ("bert_large", "mixed_fp8_delayed"): (60.0, 12.0, "est: as mixed_fp8_current"),
     ("bert_large", "mixed_bfloat16_zero3"): (50.0, 10.0, "est: mixed_bfloat16 + 15%"),
     ("bert_large", "mixed_bfloat16_stochastic"): (48.0, 10.0, "est: as mixed_bfloat16_kahan"),
+    ("bert_large", "mixed_bfloat16_kahan_mu"): (48.0, 10.0, "est: as mixed_bfloat16_kahan"),
+    ("bert_large", "mixed_bfloat16_kahan_8bit"): (55.0, 10.0, "est: mixed_bfloat16_kahan + 15%"),
     ("bert_large", "mixed_bfloat16_explicit"): (43.7, 10.0,
                                                 "measured: mixed_bfloat16 before fused attention"),
     ("nnx_gpt", "autocast_bf16"): (28.4, 8.0, "measured"),
@@ -428,8 +440,10 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     if prec.kind == "bare":
         step, make_state = _bare_step(loss_fn, has_model_state, policy)
     else:
-        tx = jaxamp.mixed_precision(optax.adamw(1e-4), policy, skip=prec.skip or "auto",
-                                    master=prec.master, moments_dtype=prec.moments_dtype)
+        from train.train import moments_dtype
+        tx = jaxamp.mixed_precision(
+            optax.adamw(1e-4), policy, skip=prec.skip or "auto", master=prec.master,
+            moments_dtype=None if prec.moments_dtype is None else moments_dtype(prec.moments_dtype))
         step = jaxamp.make_train_step(loss_fn, autocast=prec.kind == "autocast",
                                       warn_fp32_matmuls=False, **keywords)
 

@@ -67,8 +67,11 @@ ARMS = {
     "fp8_blocks": {"precision": "mixed_fp8", "fp8_granularity": "blocks"},
     "fp8_mxfp8": {"precision": "mixed_fp8", "fp8_granularity": "mxfp8"},
     "kahan": {"precision": "mixed_bfloat16", "master": "kahan"},
+    "kahan_bf16_mu": {"precision": "mixed_bfloat16", "master": "kahan",
+                      "moments_dtype": "mu=bfloat16"},
     "kahan_bf16_moments": {"precision": "mixed_bfloat16", "master": "kahan",
                            "moments_dtype": "bfloat16"},
+    "kahan_8bit": {"precision": "mixed_bfloat16", "master": "kahan", "moments_dtype": "8bit"},
     "stochastic": {"precision": "mixed_bfloat16", "master": "stochastic"},
     "none": {"precision": "mixed_bfloat16", "master": "none"},
 }
@@ -85,7 +88,9 @@ GOALS = {
     "fp8_blocks": ("bf16", 0.01),
     "fp8_mxfp8": ("bf16", 0.01),
     "kahan": ("bf16", 0.001),
+    "kahan_bf16_mu": ("bf16", 0.003),
     "kahan_bf16_moments": ("bf16", 0.005),
+    "kahan_8bit": ("bf16", 0.005),
     "stochastic": ("bf16", 0.005),
 }
 MODELS = {"char": {}, "wide": {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}}

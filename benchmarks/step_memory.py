@@ -31,15 +31,20 @@ from benchmarks.harness import tree_bytes
 ROUNDS = 30
 COST_ONLY = True  # --rounds 0: the memory table alone, nothing timed
 # (master, moments_dtype): the options of jaxamp.mixed_precision, all under mixed_bfloat16.
-OPTIONS = (("float32", None), ("float32", "bfloat16"), ("kahan", None),
-           ("kahan", "bfloat16"), ("stochastic", None), ("stochastic", "bfloat16"),
-           ("none", None), ("none", "bfloat16"))
+BF16_MU = {"mu": "bfloat16"}  # adamw's first moment in bf16, the second in fp32
+OPTIONS = (("float32", None), ("float32", "bfloat16"), ("kahan", None), ("kahan", BF16_MU),
+           ("kahan", "bfloat16"), ("kahan", "8bit"), ("stochastic", None),
+           ("stochastic", "bfloat16"), ("none", None), ("none", "bfloat16"))
 TIMED = (("float32", None), ("kahan", None), ("stochastic", None), ("none", None),
-         ("kahan", "bfloat16"), ("stochastic", "bfloat16"))
+         ("kahan", BF16_MU), ("kahan", "bfloat16"), ("kahan", "8bit"),
+         ("stochastic", "bfloat16"))
+SUFFIXES = {None: "", "bfloat16": "+bf16_moments", "8bit": "+8bit_moments"}
 
 
-def _name(master: str, moments_dtype: str | None) -> str:
-    return master + ("" if moments_dtype is None else "+bf16_moments")
+def _name(master: str, moments_dtype: str | dict | None) -> str:
+    if isinstance(moments_dtype, dict):
+        return master + "".join(f"+bf16_{field}" for field in moments_dtype)
+    return master + SUFFIXES[moments_dtype]
 
 
 def _cases(tiny: bool) -> dict[str, dict]:
@@ -68,7 +73,7 @@ def _saved_bytes(case: dict, policy: str) -> int:
 
 
 def _state_bytes(params, policy: str, master: str = "float32",
-                 moments_dtype: str | None = None) -> int:
+                 moments_dtype: str | dict | None = None) -> int:
     tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy, master=master,
                                 moments_dtype=moments_dtype)
     state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)

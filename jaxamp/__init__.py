@@ -9,6 +9,8 @@ The core is re-exported here, one private module per concept:
 * ``_loss_scale``: the three loss scales;
 * ``_master_weights``: :func:`mixed_precision`, the optax transform that holds the fp32 master,
   and the functions that read its state; ``_storage``: where the master lives (``master=``);
+  ``_moments``: how the inner optimizer's moments are stored (``moments_dtype=``,
+  :func:`quantized_moments`);
 * ``_train_step``: :class:`TrainState` and :func:`make_train_step`;
 * ``_autocast``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``_audit`` and ``_overflow``: the precision audit and the overflow diagnosis;
@@ -59,6 +61,7 @@ from jaxamp._master_weights import next_working_params
 from jaxamp._master_weights import policy_of
 from jaxamp._master_weights import scale_loss
 from jaxamp._master_weights import working_params
+from jaxamp._moments import quantized_moments
 from jaxamp._overflow import OverflowEvent
 from jaxamp._overflow import OverflowReport
 from jaxamp._overflow import explain_overflow
@@ -107,6 +110,7 @@ __all__ = (
     "ops",
     "parallel",
     "policy_of",
+    "quantized_moments",
     "resolve_auto",
     "rounding",
     "scale_loss",

@@ -18,8 +18,8 @@ master copy of every half-precision param; ``"kahan"`` keeps only a 16-bit compe
 (the value is ``param + compensation``, exact for bf16); ``"stochastic"`` and ``"none"`` keep
 nothing and round the new fp32 value to the param's dtype, stochastically or to the
 nearest. A param that works in ``param_dtype`` (every param under a ``float32`` policy) is its
-own master under every option. ``moments_dtype="bfloat16"`` stores the inner optimizer's
-moments in bf16, rounded stochastically, and computes with them in fp32.
+own master under every option. ``moments_dtype=`` stores the inner optimizer's moments in
+bf16 (rounded stochastically) or in block-wise 8-bit codes, and computes with them in fp32.
 
 A non-finite step returns zero updates (``-0.0``, so that even signed zeros are kept) and leaves
 the master params, the compensation, the inner state (its step count included) and the rounding
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 from typing import cast
@@ -58,12 +59,14 @@ from jaxamp._loss_scale import DynamicLossScale
 from jaxamp._loss_scale import LossScale
 from jaxamp._loss_scale import NoOpLossScale
 from jaxamp._loss_scale import StaticLossScale
+from jaxamp._moments import Moments
+from jaxamp._moments import parse_moments
+from jaxamp._moments import stored_moments
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
 from jaxamp._storage import MASTERS
 from jaxamp._storage import Storage
 from jaxamp._storage import is_absent
-from jaxamp._storage import stored_moments
 from jaxamp._tree import INT32_MAX
 from jaxamp._tree import find_with_path
 from jaxamp._tree import parents_along
@@ -182,12 +185,9 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
-_MOMENTS_DTYPES = ("float32", "bfloat16")
-
-
-def _needs_key(storage: Storage, moments_dtype: Any) -> bool:
+def _needs_key(storage: Storage, moments: Moments | None) -> bool:
     """Whether the transform rounds stochastically: a stochastic master or bf16 moments."""
-    return storage.needs_key or moments_dtype == jnp.bfloat16
+    return storage.needs_key or (moments is not None and moments.rounds_stochastically)
 
 
 def _step_key(state: MixedPrecisionState) -> Any:
@@ -296,7 +296,7 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
 
 
 def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: Any,
-                         moments_dtype: Any) -> None:
+                         moments: Moments | None) -> None:
     """The state must hold what this transform's storage reads: the state of another
     ``master=`` option (or of other params) would be read wrongly."""
     paths = [tree_path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -307,10 +307,9 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
             f"{storage.option!r}) under policy {state.policy} does not expect: the state was "
             "built by another master= option or for other params. Build the state with the "
             "same transform that updates it (tx.init).")
-    if _needs_key(storage, moments_dtype) and state.rounding_key is None:
+    if _needs_key(storage, moments) and state.rounding_key is None:
         raise ValueError(
-            f"mixed_precision(..., master={storage.option!r}, moments_dtype="
-            f"{None if moments_dtype is None else jnp.dtype(moments_dtype).name!r})"
+            f"mixed_precision(..., master={storage.option!r}, moments_dtype={moments})"
             " rounds stochastically but the optimizer state holds no rounding key: it was "
             "built by another transform. Build the state with the same transform (tx.init).")
     if state.storage is not None and state.storage != storage:
@@ -323,7 +322,7 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
 
 
 def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
-            skip: str, master_option: str, moments_dtype: Any, updates,
+            skip: str, master_option: str, moments: Moments | None, updates,
             state: MixedPrecisionState, params=None, **extra_args):
     if params is None:
         raise ValueError("mixed_precision.update needs params (the working params) to "
@@ -335,7 +334,7 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     storage = Storage.build(policy, params, master_option)
     _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
                           storage.work_dtypes, policy)
-    _check_state_matches(storage, state, params, moments_dtype)
+    _check_state_matches(storage, state, params, moments)
     if pin_grad_layout:  # deprecated here: make_train_step(pin_grad_layout=...)
         updates = row_major_grads(updates)
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
@@ -353,7 +352,8 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # are not finite.
     master, comp, inner_state, targets = skip_or_apply(
         _resolve_skip(skip), stats.finite,
-        functools.partial(_apply, inner, extra_args, storage, moments_dtype == jnp.bfloat16,
+        functools.partial(_apply, inner, extra_args, storage,
+                          moments is not None and moments.rounds_stochastically,
                           state.loss_scale),
         functools.partial(_skip, storage),
         state.master_params, state.compensation, state.inner_state, params, updates,
@@ -370,8 +370,8 @@ def _rounding_key(seed: Any) -> jax.Array:
     return jnp.array(jax.random.key_data(key), copy=True)
 
 
-def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, moments_dtype: Any,
-          seed: Any, params) -> MixedPrecisionState:
+def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
+          moments: Moments | None, seed: Any, params) -> MixedPrecisionState:
     storage = Storage.build(policy, params, master_option)
     # Fresh buffers: the state must never share one with the working params, or donating the
     # train state would donate it twice (an inner state may keep the params it was built on).
@@ -392,7 +392,7 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str, mome
         skips_at_min_scale=jnp.zeros((), jnp.int32),
         stalled=jnp.array(False),
         compensation=comp,
-        rounding_key=_rounding_key(seed) if _needs_key(storage, moments_dtype) else None,
+        rounding_key=_rounding_key(seed) if _needs_key(storage, moments) else None,
         policy=policy,
         storage=storage,
     )
@@ -426,26 +426,16 @@ def _check_arguments(inner: Any, loss_scale: Any, stall_after: Any, skip: Any) -
                          "default) is 'cond' for now")
 
 
-def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Any:
-    """Checks ``master``, ``moments_dtype`` and ``seed``; returns the moments dtype (or None)."""
+def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Moments | None:
+    """Checks ``master``, ``moments_dtype`` and ``seed``; returns how the moments are stored
+    (None: as the inner optimizer builds them)."""
     if not isinstance(master, str) or master not in MASTERS:
         raise ValueError(
             f"master must be one of {', '.join(map(repr, MASTERS))}, got {master!r}: "
             "'float32' keeps an fp32 master copy (default), 'kahan' a half-precision "
             "compensation buffer, 'stochastic' rounds the params stochastically, 'none' rounds "
             "them to the nearest (a baseline that loses small updates)")
-    if moments_dtype is not None:
-        try:
-            dtype = jnp.dtype(moments_dtype)
-        except TypeError:
-            dtype = None
-        if dtype is None or dtype.name not in _MOMENTS_DTYPES:
-            raise ValueError(
-                f"moments_dtype must be None, {' or '.join(map(repr, _MOMENTS_DTYPES))}, got "
-                f"{moments_dtype!r}: None leaves the inner optimizer's state as it builds it, "
-                "'bfloat16' stores its moments in bf16 (rounded stochastically) and computes "
-                "in fp32; float16 moments would overflow with the squared gradients")
-        moments_dtype = dtype
+    moments = parse_moments(moments_dtype)
     is_int = isinstance(seed, int) and not isinstance(seed, bool)
     seed_dtype = getattr(seed, "dtype", None)
     is_key = seed_dtype is not None and (jnp.issubdtype(seed_dtype, jax.dtypes.prng_key)
@@ -453,7 +443,7 @@ def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Any:
     if not (is_int or is_key):
         raise TypeError(f"seed must be an int or a PRNG key, got {type(seed).__name__} "
                         f"{seed!r}; e.g. seed=0 or seed=jax.random.key(0)")
-    return moments_dtype
+    return moments
 
 
 def mixed_precision(
@@ -465,7 +455,7 @@ def mixed_precision(
     pin_grad_layout: bool | None = None,
     skip: str = "auto",
     master: str = "float32",
-    moments_dtype: DTypeLike | None = None,
+    moments_dtype: DTypeLike | str | Mapping[str, DTypeLike | str] | None = None,
     seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps ``inner`` with fp32 master weights, loss scaling and skipping of non-finite steps.
@@ -524,17 +514,23 @@ def mixed_precision(
 
         A param that works in ``param_dtype`` (all of them under a ``float32`` policy) is its
         own master under every option: no copy is kept.
-      moments_dtype: the dtype the inner state's floating arrays of rank >= 1 (Adam's moments,
-        any per-parameter buffer) are stored in between steps. ``None`` (default) keeps the
-        dtypes ``inner`` builds; ``"bfloat16"`` stores them in bf16, rounded
-        stochastically, and hands ``inner`` fp32 copies, so every optimizer computation
-        (``beta2 = 0.999``, ``1 - beta2``, the bias corrections) runs in fp32. Rounding the
-        second moment to the nearest would freeze it: its per-step change ``(1 - beta2) *
-        (g**2 - nu)`` is below half a bf16 ulp of ``nu`` once ``g**2`` is within a factor
-        ~2 of ``nu``. ``"float32"`` stores them in fp32 (an ``mu_dtype`` of bf16 is undone).
-        Scalars (an injected learning rate) keep their dtype.
+      moments_dtype: how the inner state's moments (its floating arrays of rank >= 1: Adam's
+        ``mu`` and ``nu``, any per-parameter buffer) are stored between steps; ``inner``
+        always computes on fp32 copies, so ``beta2 = 0.999``, ``1 - beta2`` and the bias
+        corrections run in fp32. Scalars (an injected learning rate) keep their dtype.
+
+        - ``None`` (default): the dtypes ``inner`` builds.
+        - ``"float32"``: fp32 (an ``mu_dtype`` of bf16 is undone).
+        - ``"bfloat16"``: bf16, rounded stochastically (2 bytes each). Rounding the second
+          moment to the nearest would ratchet it: at ``beta2 = 0.999`` its per-step decay
+          (0.1%) is below half a bf16 ulp, so ``nu`` could only grow.
+        - ``"8bit"``: block-wise 8-bit codes, as :func:`jaxamp.quantized_moments` (1 + 4/256
+          bytes each; moments of fewer than 4096 values stay fp32).
+        - a mapping from the inner state's fields to those formats, the others kept as
+          ``inner`` builds them: ``{"mu": "bfloat16"}`` stores Adam's first moment in bf16
+          and its second in fp32 (optax's ``mu_dtype`` pattern, 6 bytes for both).
       seed: the seed (an int) or PRNG key of stochastic rounding; used by
-        ``master="stochastic"`` and ``moments_dtype="bfloat16"``.
+        ``master="stochastic"`` and bf16 moments.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``. ``init(params)`` copies the params into the
@@ -565,23 +561,23 @@ def mixed_precision(
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)
     _check_arguments(inner, loss_scale, stall_after, skip)
-    moments_dtype = _check_storage(master, moments_dtype, seed)
+    moments = _check_storage(master, moments_dtype, seed)
     if pin_grad_layout is not None:
         warnings.warn("mixed_precision(..., pin_grad_layout=...) is deprecated and will be "
                       "removed in the next release; pass it to jaxamp.make_train_step("
                       "loss_fn, pin_grad_layout=...), which pins the gradients before the "
                       "update", DeprecationWarning, stacklevel=2)
     inner = optax.with_extra_args_support(inner)
-    if moments_dtype is not None:
-        inner = stored_moments(inner, moments_dtype)
+    if moments is not None:
+        inner = stored_moments(inner, moments)
     # optax types a state as an ``ArrayTree`` (arrays, and iterables and mappings of them),
     # which leaves no room for a pytree node such as the loss scale or the static policy, and
     # its protocols are not generic in the state's type. These two implement the protocols
     # (they take and return a pytree state), so they are cast to them.
     init = cast(optax.TransformInitFn, functools.partial(
-        _init, inner, policy, loss_scale, master, moments_dtype, seed))
+        _init, inner, policy, loss_scale, master, moments, seed))
     update = cast(optax.TransformUpdateExtraArgsFn, functools.partial(
-        _update, inner, policy, stall_after, pin_grad_layout, skip, master, moments_dtype))
+        _update, inner, policy, stall_after, pin_grad_layout, skip, master, moments))
     return optax.GradientTransformationExtraArgs(init, update)
 
 

@@ -32,8 +32,6 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxamp._tree import HALF_DTYPES
-from jaxamp._tree import cast_like
-from jaxamp._tree import is_floating_array
 from jaxamp.rounding import kahan_join
 from jaxamp.rounding import kahan_split
 from jaxamp.rounding import stochastic_round
@@ -44,7 +42,6 @@ __all__ = [
     "Storage",
     "is_absent",
     "nudge_ties",
-    "stored_moments",
 ]
 
 MASTERS = ("float32", "kahan", "stochastic", "none")
@@ -378,45 +375,3 @@ class Storage:
 
 # The state carries its storage as it carries the policy: part of the treedef, never a leaf.
 jax.tree_util.register_static(Storage)
-
-
-# --------------------------------------------------------------------------------------------
-# The inner optimizer's moments in another dtype
-# --------------------------------------------------------------------------------------------
-
-def _is_moment(x: Any) -> bool:
-    """A per-parameter buffer of the inner state (a moment): a floating array of rank >= 1.
-    Scalars (an injected learning rate, a schedule's value) keep their dtype."""
-    return is_floating_array(x) and getattr(x, "ndim", 0) >= 1
-
-
-def stored_moments(inner: optax.GradientTransformationExtraArgs,
-                   dtype: Any) -> optax.GradientTransformationExtraArgs:
-    """``inner`` with its moments stored in ``dtype`` (float32 or bfloat16) and computed with
-    in fp32. bf16 moments are rounded stochastically on update, with the ``rounding_key``
-    extra argument (a PRNG key, required for bf16), and to the nearest at init. The state is
-    ``inner``'s own, with its moments in ``dtype``."""
-    dtype = jnp.dtype(dtype)
-
-    def init(params):
-        return jax.tree.map(lambda x: x.astype(dtype) if _is_moment(x) else x,
-                            inner.init(params))
-
-    def update(updates, state, params=None, *, rounding_key=None, **extra_args):
-        up = jax.tree.map(lambda x: x.astype(jnp.float32) if _is_moment(x) else x, state)
-        updates, new = inner.update(updates, up, params, **extra_args)
-        if dtype != jnp.bfloat16:
-            return updates, cast_like(new, state)
-        if rounding_key is None:
-            raise ValueError("bf16 moments are rounded stochastically: pass update(..., "
-                             "rounding_key=key), a PRNG key for this step")
-        new_leaves, treedef = jax.tree.flatten(new)
-        out = []
-        for j, (n, o) in enumerate(zip(new_leaves, jax.tree.leaves(state), strict=True)):
-            if _is_moment(o) and o.dtype == jnp.bfloat16:
-                out.append(stochastic_round(n, jnp.bfloat16, jax.random.fold_in(rounding_key, j)))
-            else:
-                out.append(n.astype(o.dtype) if hasattr(o, "dtype") else n)
-        return updates, jax.tree.unflatten(treedef, out)
-
-    return optax.GradientTransformationExtraArgs(init, update)

@@ -12,18 +12,28 @@ after "Revisiting BFloat16 Training" (Zamirai et al., 2020):
 
 :func:`jaxamp.mixed_precision` uses both to keep bf16 params and moments without an fp32 copy
 (``master="kahan"``, ``master="stochastic"``, ``moments_dtype="bfloat16"``).
+
+A third store keeps an optimizer's moments in a quarter of their bytes:
+:func:`quantize_blockwise` gives each block of values one fp32 absmax and one 8-bit code per
+value into a :func:`dynamic_map` (``moments_dtype="8bit"``, :func:`jaxamp.quantized_moments`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
 from jaxamp._tree import HALF_DTYPES
 
-__all__ = ["kahan_join", "kahan_split", "stochastic_round"]
+__all__ = ["Blockwise8bit", "dequantize_blockwise", "dynamic_map", "kahan_join", "kahan_split",
+           "quantize_blockwise", "stochastic_round"]
 
 
 
@@ -148,3 +158,118 @@ def kahan_join(high: jax.Array, low: jax.Array) -> jax.Array:
         raw = ((bits - up) << 16) | low.astype(jnp.uint32)
         return lax.bitcast_convert_type(raw, jnp.float32)
     return high.astype(jnp.float32) + low.astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Block-wise 8-bit quantization
+# --------------------------------------------------------------------------------------------
+
+@functools.cache
+def dynamic_map(signed: bool) -> np.ndarray:
+    """The 256 values (float32, ascending) an 8-bit code stands for, relative to its block's
+    absmax: a dynamic map (Dettmers, 2016), finest near the block's largest value.
+
+    Its magnitudes fill seven decades, ``1e-6`` to ``1``, each with a linear grid twice as
+    fine as the decade below it (so the relative step is about the same in each): the top
+    decade ``(0.1, 1]`` holds 64 values (128 unsigned), ending at exactly 1.
+
+    - ``signed=True`` (first moments): 0, and 127 magnitudes with either sign (255 values),
+      symmetric, so that a block's most negative value is kept exactly too.
+    - ``signed=False`` (second moments): 254 magnitudes and ``1e-7``, **no zero**: a second
+      moment is a denominator, and a small one in a block with a large one becomes
+      ``1e-7`` of the block's max rather than 0.
+
+    The one code left over repeats the largest value.
+
+    >>> m = dynamic_map(signed=True)
+    >>> m.shape, float(m[0]), float(m[127]), float(m[-2]), float(m[-1])
+    ((256,), -1.0, 0.0, 1.0, 1.0)
+    >>> u = dynamic_map(signed=False)
+    >>> round(float(u[0]), 12), bool((u > 0).all()), float(u[-1])
+    (1e-07, True, 1.0)
+    """
+    per_decade = 1 if signed else 2
+    magnitudes: list[float] = []
+    for i in range(7):  # decades 1e-6 .. 1
+        n = per_decade * 2**i
+        if i == 6:  # the top decade ends at 1: the block's absmax is kept exactly
+            grid = np.linspace(0.1, 1.0, n + 1)[1:]
+        else:
+            edges = np.linspace(0.1, 1.0, n + 1)
+            grid = (edges[:-1] + edges[1:]) / 2
+        magnitudes += (grid * 10.0 ** (i - 6)).tolist()
+    if signed:
+        values = [-v for v in magnitudes] + [0.0] + magnitudes
+    else:
+        values = [1e-7] + magnitudes
+    values += [1.0] * (256 - len(values))
+    out = np.array(sorted(values), np.float32)
+    out.flags.writeable = False
+    return out
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "absmax"],
+                   meta_fields=["shape", "signed"])
+@dataclasses.dataclass(frozen=True)
+class Blockwise8bit:
+    """An fp32 array kept in 8-bit codes: :func:`quantize_blockwise`'s result.
+
+    Attributes:
+      codes: uint8 ``(blocks, block_size)``: the flattened array, zero-padded to whole blocks,
+        each value's index into :func:`dynamic_map` (``signed``).
+      absmax: float32 ``(blocks,)``: each block's largest magnitude (nan for a block holding
+        an inf or a nan).
+      shape: the array's shape (static).
+      signed: which map the codes index (static).
+    """
+
+    codes: jax.Array
+    absmax: jax.Array
+    shape: tuple[int, ...]
+    signed: bool
+
+
+def quantize_blockwise(x: jax.Array, *, signed: bool = True,
+                       block_size: int = 256) -> Blockwise8bit:
+    """``x`` in 8-bit codes, block by block: each block of ``block_size`` consecutive values of
+    the flattened array (the last one zero-padded) keeps its absmax in fp32 and each value as
+    the nearest entry of ``dynamic_map(signed)`` to ``value / absmax`` (ties to the larger).
+
+    Exact where it matters: a block's largest magnitude comes back exactly, an all-zero block
+    is all zeros, a block holding an inf or a nan comes back all nan (never a finite value
+    that looks right). With ``signed=False`` a value is read as its magnitude, and a zero in a
+    block with a nonzero max comes back as ``1e-7`` of that max.
+
+    >>> import jax.numpy as jnp
+    >>> q = quantize_blockwise(jnp.array([0.5, -2.0, 0.0, 1.0]), block_size=3)
+    >>> q.codes.shape, q.absmax.tolist()
+    ((2, 3), [2.0, 1.0])
+    >>> [round(v, 4) for v in dequantize_blockwise(q).tolist()]  # 0.25 of the max: 1.9% off
+    [0.5094, -2.0, 0.0, 1.0]
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    x = jnp.asarray(x).astype(jnp.float32)
+    shape = tuple(x.shape)
+    size = math.prod(shape)
+    blocks = max(1, -(-size // block_size))
+    flat = jnp.pad(x.reshape(-1), (0, blocks * block_size - size)).reshape(blocks, block_size)
+    if not signed:
+        flat = jnp.abs(flat)
+    finite = jnp.all(jnp.isfinite(flat), axis=1)
+    absmax = jnp.where(finite, jnp.max(jnp.abs(flat), axis=1), jnp.nan)
+    scaled = flat / jnp.where(finite & (absmax > 0), absmax, 1.0)[:, None]
+    table = dynamic_map(signed)
+    midpoints = jnp.asarray((table[:-1] + table[1:]) / 2)  # value i rounds to code #(mid <= x)
+    codes = jnp.searchsorted(midpoints, jnp.where(finite[:, None], scaled, 0.0), side="right")
+    # One code per value: the spare code 255 (the max again) is never written.
+    codes = jnp.minimum(codes, 254)
+    return Blockwise8bit(codes.astype(jnp.uint8), absmax, shape, bool(signed))
+
+
+def dequantize_blockwise(q: Blockwise8bit) -> jax.Array:
+    """The fp32 array :func:`quantize_blockwise` encoded (to its map's precision)."""
+    values = jnp.asarray(dynamic_map(q.signed))[q.codes.astype(jnp.int32)]
+    flat = (values * q.absmax[:, None]).reshape(-1)
+    return flat[:math.prod(q.shape)].reshape(q.shape)
+

@@ -32,6 +32,20 @@ DATA_HELP = (
     "for eval.")
 
 
+MOMENT_FORMATS = ("float32", "bfloat16", "8bit")
+
+
+def _moments_dtype(text: str) -> str:
+    """``--moments-dtype``: one format, or FIELD=FORMAT pairs separated by commas."""
+    pairs = [p.partition("=") for p in text.split(",")] if "=" in text else [("", "", text)]
+    for field, _, fmt in pairs:
+        if fmt not in MOMENT_FORMATS or ("=" in text and not field):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected one of {', '.join(MOMENT_FORMATS)}, or FIELD=FORMAT pairs "
+                "separated by commas (mu=bfloat16: adamw's first moment in bf16)")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="default", choices=sorted(PRESETS))
@@ -62,9 +76,11 @@ def parser() -> argparse.ArgumentParser:
                     help="where each half-precision param's fp32 value lives: an fp32 master "
                          "copy (default), a 16-bit compensation (kahan), nowhere with "
                          "stochastic rounding, or nowhere (none: loses small updates)")
-    ap.add_argument("--moments-dtype", choices=("float32", "bfloat16"),
-                    help="the dtype adamw's moments are stored in (bfloat16: rounded "
-                         "stochastically, computed in fp32)")
+    ap.add_argument("--moments-dtype", type=_moments_dtype, metavar="FORMAT|FIELD=FORMAT,...",
+                    help="how adamw's moments are stored between steps, computed in fp32: "
+                         "float32, bfloat16 (rounded stochastically) or 8bit (block-wise "
+                         "8-bit codes), for both, or per field: mu=bfloat16 stores the first "
+                         "moment in bf16 and keeps the second in fp32")
     ap.add_argument("--fp8-recipe", choices=("current", "delayed"),
                     help="with --precision mixed_fp8: current (default) scales each FP8 tensor "
                          "by its own amax, through jaxamp.autocast, for any model; delayed "

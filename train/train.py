@@ -162,9 +162,18 @@ def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
     tx = jaxamp.mixed_precision(inner,
                                 policy, loss_scale=_loss_scale(config, policy),
                                 stall_after=config.stall_after or None, master=config.master,
-                                moments_dtype=config.moments_dtype, seed=config.seed)
+                                moments_dtype=moments_dtype(config.moments_dtype),
+                                seed=config.seed)
     return jaxamp.TrainState.create(params=params, tx=tx, policy=policy, model_state=model_state,
                                     rng=jax.random.PRNGKey(config.seed))
+
+
+def moments_dtype(text: str) -> str | dict[str, str]:
+    """``Config.moments_dtype`` as ``jaxamp.mixed_precision`` takes it: one format
+    (``"bfloat16"``), or ``"mu=bfloat16,nu=8bit"`` as a mapping of adamw's state fields."""
+    if "=" not in text:
+        return text
+    return dict(pair.split("=", 1) for pair in text.split(","))
 
 
 def _summary(config: Config, final: jaxamp.TrainState, stopped: int | None,

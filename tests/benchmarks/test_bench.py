@@ -285,6 +285,9 @@ def test_step_memory_suite_counts_each_options_bytes(tiny_runs):
         # moments (the rounding key and the counters add a little on a tiny model).
         assert by["float32"]["state_bytes_per_param"] == pytest.approx(14, abs=0.1)
         assert by["kahan+bf16_moments"]["state_bytes_per_param"] == pytest.approx(8, abs=0.1)
+        assert by["kahan+bf16_mu"]["state_bytes_per_param"] == pytest.approx(10, abs=0.1)
+        # 8-bit codes for the moments of 4096 values or more; the tiny ResNet has none.
+        assert by["kahan+8bit_moments"]["state_bytes_per_param"] <= 12.1
         assert by["fp32 (float32 policy)"]["state_bytes_per_param"] == pytest.approx(12, abs=0.1)
         assert (by["kahan+bf16_moments"]["total_vs_fp32"] < by["float32"]["total_vs_fp32"]
                 < 1.0)

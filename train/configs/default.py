@@ -29,7 +29,8 @@ class Config:
     # the optimizer state over the devices (ZeRO-1/2); 3 shards the working params too (ZeRO-3).
     zero: int = 0
     # Where the fp32 value of each half-precision param lives (jaxamp.mixed_precision's master=):
-    # float32 | kahan | stochastic | none; and the dtype adamw's moments are stored in.
+    # float32 | kahan | stochastic | none; and how adamw's moments are stored: float32 |
+    # bfloat16 | 8bit, or per state field, "mu=bfloat16" (the first moment in bf16).
     master: str = "float32"
     moments_dtype: str = "float32"
     # precision="mixed_fp8" only: "current" runs every matmul of the model in FP8 through
