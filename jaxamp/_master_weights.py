@@ -62,6 +62,7 @@ from jaxamp._loss_scale import StaticLossScale
 from jaxamp._moments import Moments
 from jaxamp._moments import parse_moments
 from jaxamp._moments import stored_moments
+from jaxamp._moments import warn_half_second_moments
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
 from jaxamp._storage import MASTERS
@@ -378,9 +379,12 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
     values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
                           policy.cast_to_param(params))
     master, comp = storage.init(values)
+    inner_state = inner.init(values)
+    if moments is None:  # else stored_moments warns about the moments it leaves alone
+        warn_half_second_moments(inner_state)
     return MixedPrecisionState(
         master_params=master,
-        inner_state=inner.init(values),
+        inner_state=inner_state,
         # Fresh buffers too: every init must survive another state's donation.
         loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
         applied_steps=jnp.zeros((), jnp.int32),

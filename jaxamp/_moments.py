@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 from typing import cast
@@ -41,7 +42,8 @@ from jaxamp.rounding import dequantize_blockwise
 from jaxamp.rounding import quantize_blockwise
 from jaxamp.rounding import stochastic_round
 
-__all__ = ["FORMATS", "Moments", "parse_moments", "quantized_moments", "stored_moments"]
+__all__ = ["FORMATS", "Moments", "parse_moments", "quantized_moments", "stored_moments",
+           "warn_half_second_moments"]
 
 FORMATS = ("float32", "bfloat16", "8bit")
 """The formats a moment can be stored in between steps."""
@@ -89,6 +91,8 @@ class Moments:
 
     def format_of(self, path: tuple, x: Any) -> str | None:
         """The format of the leaf at ``path``, or None (kept as ``inner`` builds it)."""
+        if _is_stored(x):
+            return "8bit"
         if not _is_moment(x):
             return None
         fmt = self.everywhere
@@ -189,6 +193,25 @@ def _check_fields(moments: Moments, state: Any) -> None:
             "'mu' is the first moment and 'nu' the second)")
 
 
+def warn_half_second_moments(state: Any, moments: Moments | None = None) -> None:
+    """Warns where the inner optimizer keeps a second moment (a ``nu`` field) in bf16 or fp16
+    itself, and ``moments`` does not store it: it rounds it to the nearest on every step,
+    where ``nu`` ratchets up."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_stored)[0]:
+        if moments is not None and moments.format_of(path, x) is not None:
+            continue
+        if (_is_moment(x) and jnp.dtype(x.dtype).itemsize < 4
+                and any(f in SECOND_MOMENTS for f in _field_names(path))):
+            warnings.warn(
+                f"the inner optimizer keeps its second moment {jax.tree_util.keystr(path)} in "
+                f"{jnp.dtype(x.dtype).name} and rounds it to the nearest on every step: at "
+                "b2 >= 0.995 its decay per step is below half an ulp, so it can only grow "
+                "(2x the fp32 value on stationary gradients at b2 = 0.999). Let "
+                "jaxamp.mixed_precision store it: moments_dtype={'nu': 'bfloat16'} rounds it "
+                "stochastically, computing in fp32", UserWarning, stacklevel=4)
+            return
+
+
 def stored_moments(inner: optax.GradientTransformationExtraArgs,
                    moments: Moments) -> optax.GradientTransformationExtraArgs:
     """``inner`` with its moments stored as ``moments`` says and computed with in fp32.
@@ -198,11 +221,12 @@ def stored_moments(inner: optax.GradientTransformationExtraArgs,
     def formats(state):
         # The stored state's leaves (a quantized moment is one), each with its format.
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_stored)
-        return [(path, x, moments.format_of(path, _load(x))) for path, x in leaves], treedef
+        return [(path, x, moments.format_of(path, x)) for path, x in leaves], treedef
 
     def init(params):
         state = inner.init(params)
         _check_fields(moments, state)
+        warn_half_second_moments(state, moments)
         leaves, treedef = formats(state)
         return jax.tree.unflatten(treedef, [_store(f, x, p, None, moments.block_size)
                                             for p, x, f in leaves])

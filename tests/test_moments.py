@@ -164,9 +164,9 @@ STORES = {
 def test_a_bf16_second_moment_ratchets_up_when_rounded_to_the_nearest():
     # At b2 = 0.999 a step's decay (0.1%) is below half a bf16 ulp (0.2-0.4%): nu only grows.
     mean, _ = _stored_nu(STORES["nearest"], 0.999, decaying=False)
-    assert mean > 1.8  # measured 2.1x the fp32 average on stationary gradients
+    assert mean > 1.8  # measured 2.05x the fp32 average on stationary gradients
     mean, _ = _stored_nu(STORES["nearest"], 0.999, decaying=True)
-    assert mean > 10  # frozen near its start while the gradients shrink 55x (measured 37x)
+    assert mean > 10  # frozen near its start while the gradients shrink 55x (measured 31x)
     # At b2 = 0.95 (a 5% step) it does not.
     mean, _ = _stored_nu(STORES["nearest"], 0.95, decaying=True)
     assert abs(mean - 1) < 0.01
@@ -175,11 +175,12 @@ def test_a_bf16_second_moment_ratchets_up_when_rounded_to_the_nearest():
 def test_stochastic_rounding_and_8bit_blocks_keep_the_second_moment():
     for decaying in (False, True):
         mean, spread = _stored_nu(STORES["stochastic"], 0.999, decaying)
-        assert abs(mean - 1) < 0.01 and spread < 0.07  # unbiased; about 4-5.5% noise
-        # The block's max is kept exactly and the rest move with it: a bias of a few percent,
-        # no ratchet (measured +7.7% stationary, +24% while the gradients shrink 55x).
+        assert abs(mean - 1) < 0.01 and spread < 0.08  # unbiased; 4.1-6.0% noise
+        # The block's max is kept exactly and the rest move with it: a bias, no ratchet
+        # (measured +8.6% stationary, +32% while the gradients shrink 55x, where nearest
+        # bf16 is 31x).
         mean, spread = _stored_nu(STORES["8bit"], 0.999, decaying)
-        assert 1 < mean < (1.35 if decaying else 1.12) and spread < 0.2
+        assert 1 < mean < (1.45 if decaying else 1.15) and spread < 0.2
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,3 +346,22 @@ def test_8bit_state_inside_multisteps():
     state, _ = step(state, make_batch(1))
     assert not np.array_equal(np.asarray(state.params["dense1"]["kernel"], np.float32),
                               np.asarray(params0["dense1"]["kernel"], np.float32))
+
+
+def test_an_inner_optimizer_keeping_a_half_second_moment_is_warned_about():
+    def half_adam():  # an optax transform that builds its own bf16 state
+        inner = optax.scale_by_adam()
+
+        def init(params):
+            return jax.tree.map(lambda x: x.astype(BF16) if x.ndim else x, inner.init(params))
+        return optax.GradientTransformation(init, inner.update)
+
+    with pytest.warns(UserWarning, match=r"keeps its second moment .*nu.* in bfloat16 and "
+                                         r"rounds it to the nearest"):
+        jaxamp.mixed_precision(half_adam()).init(init_params())
+    # Stored by mixed_precision, stochastically: no warning.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxamp.mixed_precision(half_adam(), moments_dtype={"nu": "bfloat16"}).init(init_params())
+        jaxamp.mixed_precision(optax.adam(1e-3, mu_dtype=BF16)).init(init_params())
