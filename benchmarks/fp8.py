@@ -2,7 +2,8 @@
 FP8 adds to the step.
 
     python -m benchmarks fp8 [--tables parity,cost,errors] [--seeds 3] [--first-seed 0]
-                             [--steps 1500] [--errors-every 250] [--tiny]
+                             [--steps 1500] [--errors-every 250]
+                             [--error-granularities tensor,rowwise,...] [--tiny]
 
 Four tables:
 
@@ -23,10 +24,14 @@ Four tables:
   of the loss on the first held-out batch, from the fp32 master params: per matmul, the
   relative error of its forward, input-gradient and weight-gradient GEMMs against the same
   matmul in fp32. ``fp8_errors.png`` plots each matmul's three errors against the step.
+  ``--error-granularities`` asks the same of other scalings at each report, on the same params
+  (the ones the default recipe trained): ``tensor`` (the default's), ``rowwise``, ``blocks``,
+  ``mxfp8`` (``jaxamp.fp8.CurrentScaling(granularity=...)``, the default's bf16 layers kept).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -49,6 +54,10 @@ def add_arguments(parser) -> None:
                         help=f"comma-separated, of {', '.join(TABLES)} (default: all)")
     parser.add_argument("--errors-every", type=int, default=250,
                         help="steps between two error reports (default 250)")
+    parser.add_argument("--error-granularities", default="tensor",
+                        help="comma-separated scalings the error reports compare, of "
+                             "tensor,rowwise,blocks,mxfp8 (default: tensor, the default "
+                             "recipe's)")
 
 
 TABLES = ("parity", "cost", "errors")
@@ -134,7 +143,8 @@ def _share_and_cost(tiny: bool) -> list[dict]:
     return rows
 
 
-def _errors(steps: int, every: int, tiny: bool) -> list[dict]:
+def _errors(steps: int, every: int, tiny: bool,
+            granularities: tuple[str, ...] = ("tensor",)) -> list[dict]:
     from train import train as train_lib
     from train.configs import get_config
     config = get_config("text", precision="mixed_fp8", progress=False, steps=steps, seed=0,
@@ -152,12 +162,18 @@ def _errors(steps: int, every: int, tiny: bool) -> list[dict]:
     rows = []
     for i in range(steps + 1):
         if i % every == 0 or i == steps:
-            report = jaxamp.fp8.error_report(loss, state.master_params, probe, policy=policy)
-            for m in report.matmuls:
-                rows.append({"step": i, "matmul": m.site, "shapes": m.shapes,
-                             "forward": m.forward, "grad_lhs": m.grad_lhs,
-                             "grad_rhs": m.grad_rhs})
-            print(f"[fp8 errors] step {i}\n{report}", flush=True)
+            for granularity in granularities:
+                default = (policy.fp8 if isinstance(policy.fp8, jaxamp.fp8.CurrentScaling)
+                           else jaxamp.fp8.CurrentScaling())  # fp8=True: the default recipe
+                recipe = jaxamp.fp8.CurrentScaling(granularity=granularity, keep=default.keep,
+                                                   batched=default.batched)
+                report = jaxamp.fp8.error_report(loss, state.master_params, probe,
+                                                 policy=dataclasses.replace(policy, fp8=recipe))
+                for m in report.matmuls:
+                    rows.append({"step": i, "granularity": granularity, "matmul": m.site,
+                                 "shapes": m.shapes, "forward": m.forward,
+                                 "grad_lhs": m.grad_lhs, "grad_rhs": m.grad_rhs})
+                print(f"[fp8 errors] step {i}, {granularity}\n{report}", flush=True)
         if i < steps:
             state, _ = step(state, next(batches))
     return rows
@@ -196,14 +212,21 @@ def run(args) -> dict:
         out["cost"] = _cost_table(args, tiny)
     if "errors" in tables:
         steps = 4 if tiny else args.steps
-        errors = _errors(steps, 2 if tiny else args.errors_every, tiny)
+        granularities = tuple(g for g in getattr(args, "error_granularities", "tensor")
+                              .split(",") if g)
+        unknown = sorted(set(granularities) - set(jaxamp.fp8.GRANULARITIES))
+        if unknown:
+            raise ValueError(f"unknown granularity {', '.join(unknown)}; expected some of "
+                             f"{', '.join(jaxamp.fp8.GRANULARITIES)}")
+        errors = _errors(steps, 2 if tiny else args.errors_every, tiny, granularities)
         harness.write_outputs(
-            "fp8_errors", errors, ["step", "matmul", "shapes", "forward", "grad_lhs",
-                                   "grad_rhs"], args.out, None,
+            "fp8_errors", errors, ["step", "granularity", "matmul", "shapes", "forward",
+                                   "grad_lhs", "grad_rhs"], args.out, None,
             f"{harness.machine()}; the text preset (char GPT) under mixed_fp8's default recipe, "
             f"seed 0, {steps} steps; jaxamp.fp8.error_report on the first held-out batch: each "
             "GEMM's mean relative error over its rows against fp32.")
-        _plot_errors(errors, os.path.join(args.out, "fp8_errors.png"))
+        _plot_errors([r for r in errors if r["granularity"] == granularities[0]],
+                     os.path.join(args.out, "fp8_errors.png"))
         out["errors"] = errors
     return out
 

@@ -495,6 +495,18 @@ def test_a_negative_or_nan_grad_clip_is_refused(tmp_path, capsys, norm):
     assert f"--grad-clip {float(norm)}; expected a norm >= 0 (0: no clipping)" in err
 
 
+@pytest.mark.parametrize("value", ["int8", "mu=fp8", "=bfloat16", "mu=bfloat16,nu"])
+def test_a_bad_moments_dtype_is_refused(capsys, value):
+    from train import cli
+    with pytest.raises(SystemExit) as info:  # argparse's usage, then the one-line error
+        cli.parser().parse_args(["--moments-dtype", value])
+    assert info.value.code == 2
+    assert (f"error: argument --moments-dtype: {value!r}: expected one of float32, bfloat16, "
+            "8bit, or FIELD=FORMAT pairs") in capsys.readouterr().err
+    assert cli.parser().parse_args(["--moments-dtype", "mu=bfloat16,nu=8bit"]).moments_dtype \
+        == "mu=bfloat16,nu=8bit"
+
+
 def test_a_good_data_file_is_summarized_with_its_inferred_classes(tmp_path, capsys):
     from train import cli
     from train.configs import get_config

@@ -16,11 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from benchmarks import moments as moments_suite
 from jaxamp.rounding import Blockwise8bit
 from jaxamp.rounding import dequantize_blockwise
 from jaxamp.rounding import dynamic_map
 from jaxamp.rounding import quantize_blockwise
-from jaxamp.rounding import stochastic_round
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -136,29 +136,15 @@ def test_a_quantized_array_is_a_pytree_of_two_arrays_through_jit():
 # Adam's second moment stored in fewer bits: the ratchet
 # --------------------------------------------------------------------------------------------
 
-def _stored_nu(store, b2, decaying, steps=8000, n=1024):
-    """The mean and spread of nu kept by ``store`` over the fp32 nu, on gaussian gradients
-    (constant in scale, or decaying by e**-2 in scale over the run)."""
-    key = jax.random.key(0)
-
-    def body(carry, t):
-        exact, stored = carry
-        g = jax.random.normal(jax.random.fold_in(key, t), (n,))
-        g = g * jnp.exp(-2.0 * t / steps) if decaying else g
-        return (b2 * exact + (1 - b2) * g * g, store(b2 * stored + (1 - b2) * g * g, t)), None
-
-    (exact, stored), _ = jax.jit(lambda: jax.lax.scan(
-        body, (jnp.ones(n), jnp.ones(n)), jnp.arange(steps)))()
-    ratio = np.asarray(stored / exact)
-    return float(ratio.mean()), float(ratio.std())
+STORES = {"nearest": moments_suite.STORES["bf16, nearest"],
+          "stochastic": moments_suite.STORES["bf16, stochastic"],
+          "8bit": moments_suite.STORES["8bit"]}
 
 
-STORES = {
-    "nearest": lambda x, t: x.astype(BF16).astype(F32),
-    "stochastic": lambda x, t: stochastic_round(
-        x, BF16, jax.random.fold_in(jax.random.key(1), t)).astype(F32),
-    "8bit": lambda x, t: dequantize_blockwise(quantize_blockwise(x, signed=False)),
-}
+def _stored_nu(store, b2, decaying):
+    """The mean and spread of nu kept by ``store`` over the fp32 nu (``python -m benchmarks
+    moments``, whose table is in BENCHMARKS.md)."""
+    return moments_suite.stored_nu(store, b2, decaying)
 
 
 def test_a_bf16_second_moment_ratchets_up_when_rounded_to_the_nearest():
@@ -365,3 +351,12 @@ def test_an_inner_optimizer_keeping_a_half_second_moment_is_warned_about():
         warnings.simplefilter("error")
         jaxamp.mixed_precision(half_adam(), moments_dtype={"nu": "bfloat16"}).init(init_params())
         jaxamp.mixed_precision(optax.adam(1e-3, mu_dtype=BF16)).init(init_params())
+
+
+def test_the_training_cli_reads_a_format_or_field_pairs():
+    from train.train import moments_dtype
+    assert moments_dtype("8bit") == "8bit"
+    assert moments_dtype("mu=bfloat16,nu=8bit") == {"mu": "bfloat16", "nu": "8bit"}
+    tx = jaxamp.mixed_precision(optax.adam(1e-3), moments_dtype=moments_dtype("mu=bfloat16"))
+    mu, nu = _adam_leaves(tx.init(init_params()))
+    assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(BF16)}

@@ -151,6 +151,7 @@ def test_fp8_suite_writes_parity_and_cost(tiny_runs):
     # The default recipe's FP8 matmuls (the blocks' kernels), at steps 0, 2 and 4.
     errors = read_jsonl(out / "fp8_errors.jsonl")
     assert sorted({r["step"] for r in errors}) == [0, 2, 4]
+    assert {r["granularity"] for r in errors} == {"tensor"}  # --error-granularities' default
     sites = list(dict.fromkeys(r["matmul"] for r in errors))
     assert sites and all(s.startswith("args[0]/") and "kernel" in s for s in sites), sites
     assert not [s for s in sites if re.search(jaxamp.fp8.KEEP, s)]  # the head stays bf16
