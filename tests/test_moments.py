@@ -360,3 +360,12 @@ def test_the_training_cli_reads_a_format_or_field_pairs():
     tx = jaxamp.mixed_precision(optax.adam(1e-3), moments_dtype=moments_dtype("mu=bfloat16"))
     mu, nu = _adam_leaves(tx.init(init_params()))
     assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(BF16)}
+
+
+def test_the_second_moment_under_inject_hyperparams_takes_the_map_without_zero():
+    tx = jaxamp.quantized_moments(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+                                  min_size=0)
+    state = tx.init({"w": jnp.ones((8, 64))})
+    adam = state.inner_state[0]
+    assert adam.mu["w"].signed and not adam.nu["w"].signed
+    assert state.hyperparams["learning_rate"].dtype == F32  # a scalar: kept as it is
