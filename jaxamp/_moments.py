@@ -261,7 +261,7 @@ def quantized_moments(inner: optax.GradientTransformation, *, block_size: int = 
 
     It composes as an optax transform: inside :func:`jaxamp.mixed_precision` (which also takes
     ``moments_dtype="8bit"`` for the same thing), with ``optax.MultiSteps``, the skip of a
-    non-finite step, the sharded state of :mod:`jaxamp.parallel` and checkpoints (the state's
+    non-finite step, the sharded state of ``jaxamp.parallel`` and checkpoints (the state's
     leaves are arrays: the codes, uint8 of shape ``(blocks, block_size)``, and the absmax).
 
     Args:

@@ -212,21 +212,19 @@ def dynamic_map(signed: bool) -> np.ndarray:
                    meta_fields=["shape", "signed"])
 @dataclasses.dataclass(frozen=True)
 class Blockwise8bit:
-    """An fp32 array kept in 8-bit codes: :func:`quantize_blockwise`'s result.
-
-    Attributes:
-      codes: uint8 ``(blocks, block_size)``: the flattened array, zero-padded to whole blocks,
-        each value's index into :func:`dynamic_map` (``signed``).
-      absmax: float32 ``(blocks,)``: each block's largest magnitude (nan for a block holding
-        an inf or a nan).
-      shape: the array's shape (static).
-      signed: which map the codes index (static).
-    """
+    """An fp32 array kept in 8-bit codes: :func:`quantize_blockwise`'s result, a pytree of
+    two arrays (``codes`` and ``absmax``; ``shape`` and ``signed`` are static)."""
 
     codes: jax.Array
+    """uint8 ``(blocks, block_size)``: the flattened array, zero-padded to whole blocks, each
+    value's index into :func:`dynamic_map` (``signed``)."""
     absmax: jax.Array
+    """float32 ``(blocks,)``: each block's largest magnitude (nan for a block holding an inf or
+    a nan)."""
     shape: tuple[int, ...]
+    """The array's shape (static)."""
     signed: bool
+    """Which map the codes index (static)."""
 
 
 def quantize_blockwise(x: jax.Array, *, signed: bool = True,
