@@ -447,7 +447,7 @@ def _build(case: dict, prec: Precision, params, model_state, options: dict | Non
     if prec.kind == "bare":
         step, make_state = _bare_step(loss_fn, has_model_state, policy)
     else:
-        from train.train import moments_dtype
+        from train.configs.default import moments_dtype
         tx = jaxamp.mixed_precision(
             optax.adamw(1e-4), policy, skip=prec.skip or "auto", master=prec.master,
             moments_dtype=None if prec.moments_dtype is None else moments_dtype(prec.moments_dtype))

@@ -354,7 +354,7 @@ def test_an_inner_optimizer_keeping_a_half_second_moment_is_warned_about():
 
 
 def test_the_training_cli_reads_a_format_or_field_pairs():
-    from train.train import moments_dtype
+    from train.configs.default import moments_dtype
     assert moments_dtype("8bit") == "8bit"
     assert moments_dtype("mu=bfloat16,nu=8bit") == {"mu": "bfloat16", "nu": "8bit"}
     tx = jaxamp.mixed_precision(optax.adam(1e-3), moments_dtype=moments_dtype("mu=bfloat16"))

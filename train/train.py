@@ -34,6 +34,7 @@ from train import models
 from train.checkpointing import CheckpointMismatch
 from train.checkpointing import check_checkpoint_matches
 from train.configs.default import Config
+from train.configs.default import moments_dtype
 from train.metrics_log import plot_run
 from train.metrics_log import read_metrics
 from train.metrics_log import scalar as _scalar
@@ -166,14 +167,6 @@ def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
                                 seed=config.seed)
     return jaxamp.TrainState.create(params=params, tx=tx, policy=policy, model_state=model_state,
                                     rng=jax.random.PRNGKey(config.seed))
-
-
-def moments_dtype(text: str) -> str | dict[str, str]:
-    """``Config.moments_dtype`` as ``jaxamp.mixed_precision`` takes it: one format
-    (``"bfloat16"``), or ``"mu=bfloat16,nu=8bit"`` as a mapping of adamw's state fields."""
-    if "=" not in text:
-        return text
-    return dict(pair.split("=", 1) for pair in text.split(","))
 
 
 def _summary(config: Config, final: jaxamp.TrainState, stopped: int | None,

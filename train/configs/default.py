@@ -70,3 +70,11 @@ class Config:
 def get_config() -> Config:
     return Config(task="digits", model="resnet18_small", batch_size=64, steps=300, lr=3e-3,
                   checkpoint_every=100, log_every=10, model_overrides={"resnet": {"width": 16}})
+
+
+def moments_dtype(text: str) -> str | dict[str, str]:
+    """``Config.moments_dtype`` as ``jaxamp.mixed_precision`` takes it: one format
+    (``"bfloat16"``), or ``"mu=bfloat16,nu=8bit"`` as a mapping of adamw's state fields."""
+    if "=" not in text:
+        return text
+    return dict(pair.split("=", 1) for pair in text.split(","))
