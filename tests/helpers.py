@@ -33,6 +33,27 @@ def covering_grid(*axes):
                          id="-".join(map(str, combo))) for combo in itertools.product(*axes)]
 
 
+def straight_and_resumed(tmp_path, step, batches, at, make_state, restore_target=None):
+    """Two runs of ``step`` over ``batches`` from ``make_state()``: one straight through, one
+    saved with orbax after ``at`` batches, restored onto ``restore_target`` (default: a fresh
+    ``make_state()``) and run on. Returns ``(straight, resumed)``."""
+    import orbax.checkpoint as ocp
+    straight = make_state()
+    for batch in batches:
+        straight, _ = step(straight, batch)
+    interrupted = make_state()
+    for batch in batches[:at]:
+        interrupted, _ = step(interrupted, batch)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "mid", interrupted)
+    del interrupted
+    with ocp.StandardCheckpointer() as ckpt:
+        resumed = ckpt.restore(tmp_path / "mid", (restore_target or make_state)())
+    for batch in batches[at:]:
+        resumed, _ = step(resumed, batch)
+    return straight, resumed
+
+
 # --------------------------------------------------------------------------------------------
 # Bit-for-bit comparison
 # --------------------------------------------------------------------------------------------

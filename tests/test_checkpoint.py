@@ -8,6 +8,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_tree_bitwise_equal
+from helpers import straight_and_resumed
 
 import jaxamp
 
@@ -76,21 +77,7 @@ def test_train_state_round_trips_through_orbax(tmp_path, step):
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, step):
-    batches = _batches(16)
-    straight = _state()
-    for batch in batches:
-        straight, _ = step(straight, batch)
-
-    interrupted = _state()
-    for batch in batches[:8]:
-        interrupted, _ = step(interrupted, batch)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp_path / "mid", interrupted)
-    del interrupted
-    with ocp.StandardCheckpointer() as ckpt:
-        resumed = ckpt.restore(tmp_path / "mid", _state())
-    for batch in batches[8:]:
-        resumed, _ = step(resumed, batch)
+    straight, resumed = straight_and_resumed(tmp_path, step, _batches(16), 8, _state)
     _assert_bit_identical(straight, resumed)
     assert int(jaxamp.find_state(straight.opt_state).skipped_steps) == 3
 

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from helpers import assert_tree_bitwise_equal
 from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
+from helpers import straight_and_resumed
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -304,19 +304,8 @@ def test_8bit_state_under_pmap_the_sharded_jit_and_accumulation_agree():
 
 
 def test_8bit_state_resumes_bit_for_bit(tmp_path, step):
-    batches = [make_batch(seed) for seed in range(6)]
-    straight = _q8_state()
-    for batch in batches:
-        straight, _ = step(straight, batch)
-    interrupted = _q8_state()
-    for batch in batches[:3]:
-        interrupted, _ = step(interrupted, batch)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp_path / "mid", interrupted)
-    with ocp.StandardCheckpointer() as ckpt:
-        resumed = ckpt.restore(tmp_path / "mid", _q8_state())
-    for batch in batches[3:]:
-        resumed, _ = step(resumed, batch)
+    straight, resumed = straight_and_resumed(
+        tmp_path, step, [make_batch(seed) for seed in range(6)], 3, _q8_state)
     assert_tree_bitwise_equal((straight.step, straight.params, straight.opt_state),
                               (resumed.step, resumed.params, resumed.opt_state))
 

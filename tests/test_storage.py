@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from helpers import assert_tree_bitwise_equal
@@ -16,6 +15,7 @@ from helpers import init_params
 from helpers import make_batch
 from helpers import mse_loss
 from helpers import nnx_scaled_step
+from helpers import straight_and_resumed
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -290,20 +290,10 @@ def test_state_dtypes_and_skips_bit_identical(step, policy, master, moments_dtyp
 
 @pytest.mark.parametrize("master", MASTERS)
 def test_resume_is_bit_identical(tmp_path, step, master):
-    batches = [make_batch(seed) for seed in range(6)]
-    straight = _state(master, "bfloat16")
-    for batch in batches:
-        straight, _ = step(straight, batch)
-    interrupted = _state(master, "bfloat16")
-    for batch in batches[:3]:
-        interrupted, _ = step(interrupted, batch)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp_path / "mid", interrupted)
-    with ocp.StandardCheckpointer() as ckpt:
-        resumed = ckpt.restore(tmp_path / "mid", _state(master, "bfloat16", seed=7))
-    for batch in batches[3:]:
-        resumed, _ = step(resumed, batch)
     # (the restore target's seed is 7: the key comes from the checkpoint)
+    straight, resumed = straight_and_resumed(
+        tmp_path, step, [make_batch(seed) for seed in range(6)], 3,
+        lambda: _state(master, "bfloat16"), lambda: _state(master, "bfloat16", seed=7))
     assert_tree_bitwise_equal((straight.step, straight.params, straight.opt_state),
                               (resumed.step, resumed.params, resumed.opt_state))
 
