@@ -159,12 +159,12 @@ def _errors(steps: int, every: int, tiny: bool,
 
     def loss(p, batch):
         return loss_fn(p, batch, **extra)[0]
+    default = (policy.fp8 if isinstance(policy.fp8, jaxamp.fp8.CurrentScaling)
+               else jaxamp.fp8.CurrentScaling())  # fp8=True: the default recipe
     rows = []
     for i in range(steps + 1):
         if i % every == 0 or i == steps:
             for granularity in granularities:
-                default = (policy.fp8 if isinstance(policy.fp8, jaxamp.fp8.CurrentScaling)
-                           else jaxamp.fp8.CurrentScaling())  # fp8=True: the default recipe
                 recipe = jaxamp.fp8.CurrentScaling(granularity=granularity, keep=default.keep,
                                                    batched=default.batched)
                 report = jaxamp.fp8.error_report(loss, state.master_params, probe,

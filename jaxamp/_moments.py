@@ -231,7 +231,7 @@ def stored_moments(inner: optax.GradientTransformationExtraArgs,
         if moments.rounds_stochastically and rounding_key is None:
             raise ValueError("bf16 moments are rounded stochastically: pass update(..., "
                              "rounding_key=key), a PRNG key for this step")
-        leaves, _ = formats(state)
+        leaves, treedef = formats(state)
         loaded = jax.tree.map(_load, state, is_leaf=_is_stored)
         updates, new = inner.update(updates, loaded, params, **extra_args)
         out = []
@@ -241,7 +241,7 @@ def stored_moments(inner: optax.GradientTransformationExtraArgs,
                 out.append(x.astype(old.dtype) if hasattr(old, "dtype") else x)
             else:
                 out.append(_store(fmt, x, path, key, moments.block_size))
-        return updates, jax.tree.unflatten(jax.tree.structure(state, is_leaf=_is_stored), out)
+        return updates, jax.tree.unflatten(treedef, out)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
