@@ -319,10 +319,16 @@ def _dtype_name(hlo: str) -> str:
     return _HLO_DTYPES.get(hlo, hlo)
 
 
+def _on_one_device(sharding: jax.sharding.Sharding) -> bool:
+    is_single = getattr(jax.sharding, "is_single_device_sharding", None)  # jax >= 0.12.1
+    if is_single is not None:
+        return is_single(sharding)
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
 def _abstract(x: Any, sharding: jax.sharding.Sharding) -> jax.ShapeDtypeStruct:
     own = getattr(x, "sharding", None)
-    if isinstance(x, jax.ShapeDtypeStruct) and own is not None and not isinstance(
-            own, jax.sharding.SingleDeviceSharding):
+    if isinstance(x, jax.ShapeDtypeStruct) and own is not None and not _on_one_device(own):
         return x  # laid out by the caller on a gpu_mesh
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 

@@ -254,10 +254,11 @@ def test_saved_bytes_are_half_precision(case):
     fn, upcast_ref, args, expected = SAVED[case]
     assert saved_bytes(fn, args) == expected
     # The same math written with jnp in fp32 saves fp32 intermediates: at least one fp32 copy
-    # of the activation, and more than twice the op's bytes in all.
+    # of the activation, and more bytes in all. (How many more is jax's autodiff's business:
+    # jax 0.12.1 saves 1.76x the op's bytes for optax's cross entropy, 0.10.2 2.12x.)
     ref = saved_bytes(upcast_ref, args)
     assert ref.get("float32", 0) >= 4 * args[0].size, ref
-    assert sum(ref.values()) > 2 * sum(expected.values()), ref
+    assert sum(ref.values()) > sum(expected.values()), ref
 
 
 def test_bias_add_and_embed_lookup_sum_gradients_in_fp32():

@@ -32,7 +32,7 @@ def _env(devices):
 def _state(workdir):
     """The saved train state, restored onto this process's first device."""
     path = os.path.join(workdir, "checkpoints", "4", "state")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.make_single_device_sharding(jax.devices()[0])
     with ocp.StandardCheckpointer() as ckpt:
         meta = ckpt.metadata(path)
         tree = getattr(meta, "item_metadata", meta)
