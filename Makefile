@@ -16,16 +16,17 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet -e '.[dev,train,bench,docs]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,train,bench,docs]'
 	touch $(STAMP)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist); a module whose tests share a
 # module-scoped fixture is one xdist group, run by one worker.
 TEST_WORKERS ?= 2
 
-# XLA:CPU compiles the floor's tests at LLVM -O0 (a quarter of the suite's time): every test
-# compares programs built the same way, or within a stated tolerance. `make test-newest` runs
-# the library's unit tests at XLA's defaults, the code generation users get.
+# XLA:CPU compiles the floor's and the newest jax's tests at LLVM -O0 (a quarter of the
+# suite's time, a third of the newest lane's): every test compares programs built the same
+# way, or within a stated tolerance. `make test-zoo` trains third-party models at XLA's
+# defaults, the code generation users get.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 
 # `make test` (CI) leaves out the tests marked slow (pyproject.toml's markers): the benchmark
@@ -54,7 +55,7 @@ $(STAMP_ZOO): pyproject.toml Makefile
 	rm -rf $(VENV_ZOO)
 	$(PYTHON) -m venv $(VENV_ZOO)
 	$(VENV_ZOO)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_ZOO)/bin/python -m pip install --quiet -e '.[dev]' $(ZOO_PACKAGES)
+	$(VENV_ZOO)/bin/python -m pip install --quiet --no-compile -e '.[dev]' $(ZOO_PACKAGES)
 	$(VENV_ZOO)/bin/python -c "import jax, flax, recurrentgemma, penzai; print('zoo:', 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_ZOO)
 
@@ -86,15 +87,16 @@ $(STAMP_NEWEST): pyproject.toml
 	rm -rf $(VENV_NEWEST)
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install --quiet -e '.[dev,train]'
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade jax jaxlib flax optax
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-compile -e '.[dev,train]'
+	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-compile --upgrade jax jaxlib flax optax
 	$(VENV_NEWEST)/bin/python -c "import jax, flax, optax; print('newest:', 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
 	touch $(STAMP_NEWEST)
 
 install-newest: $(STAMP_NEWEST)
 
 test-newest: $(STAMP_NEWEST)
-	$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
+		$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		--durations=10 -p no:cacheprovider $(TEST_SELECT) jaxamp $(UNIT_TESTS) \
 		--ignore=jaxamp/_gpu_memory.py
 
@@ -113,7 +115,7 @@ $(STAMP_GPU): pyproject.toml
 	rm -rf $(VENV_GPU)
 	$(PYTHON_NEWEST) -m venv $(VENV_GPU)
 	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_GPU)/bin/python -m pip install --quiet -e '.[dev,train,gpu-memory]' \
+	$(VENV_GPU)/bin/python -m pip install --quiet --no-compile -e '.[dev,train,gpu-memory]' \
 		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
 	$(VENV_GPU)/bin/python -c "import jax, jaxlib, flax; print('gpu-memory:', 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_GPU)

@@ -98,7 +98,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_readme(dist, tmp_path
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env["JAX_PLATFORMS"] = "cpu"
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet",
+    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-compile",
                               str(_wheel(dist))], env=env, cwd=tmp_path, capture_output=True,
                              text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
