@@ -5,8 +5,9 @@ the many subprocesses (the CLI, the examples, the notebooks) compile the same ti
 an executable compiled once is loaded from disk by the next process. It changes no result: an
 entry is keyed by the program, the jax version and the compiler flags.
 
-`make test` adds XLA flags of its own (LLVM -O0 for the floor's suite, the Makefile's
-TEST_XLA_FLAGS); whatever XLA_FLAGS holds reaches every subprocess the tests start.
+`make test` adds XLA flags of its own (LLVM -O0, and XLA:CPU's legacy fusion emitters where
+jaxlib has them: the Makefile's TEST_XLA_FLAGS and FAST_CPU_COMPILE); whatever XLA_FLAGS holds
+reaches every subprocess the tests start.
 """
 
 import os

@@ -396,7 +396,16 @@ def test_select_skip_applies_a_step_as_the_cond_skip_does_up_to_rounding(policy_
             new_updates, new_state = update(grads, opt_state, params)
             out[skip] = (new_updates, new_state, optax.apply_updates(params, new_updates))
         if np.isfinite(poison):
-            _assert_tree_equal_to_rounding(out["select"], out["cond"], eps=4)
+            # The state and the new params: each within a few roundings of its own magnitude.
+            _assert_tree_equal_to_rounding(out["select"][1:], out["cond"][1:], eps=4)
+            # An update is a difference of params (new master minus working param): its
+            # rounding is the params' (measured: one float32 ulp of a bias near 0.06, on an
+            # update 30 times smaller, with XLA:CPU's legacy emitters).
+            for a, b, p in zip(jax.tree.leaves(out["select"][0]),
+                               jax.tree.leaves(out["cond"][0]), jax.tree.leaves(params),
+                               strict=True):
+                bound = 4 * float(jnp.finfo(p.dtype).eps) * float(jnp.max(jnp.abs(p)))
+                assert float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32)))) <= bound
         else:
             assert_tree_bitwise_equal(out["select"], out["cond"])
             old, new = jaxamp.find_state(opt_state), jaxamp.find_state(out["select"][1])
