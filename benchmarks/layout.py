@@ -128,7 +128,7 @@ def run(args) -> dict[str, float]:
         "jaxamp not pinned": overhead.jaxamp_variant(task, "mixed_bfloat16",
                                                      pin_grad_layout=False),
     }
-    # The fusions XLA:CPU builds by default, whatever XLA_FLAGS says (the test suite's turn
+    # The fusions XLA:CPU builds by default, whatever XLA_FLAGS says (the test suite turns
     # the fusion emitters off where the XLA has them, to compile faster).
     default_fusions = harness.supported_compiler_options(xla_cpu_use_fusion_emitters=True)
     compiled, states = harness.compile_variants(steps, task.batch, default_fusions or None)
