@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
+# pip without byte-compiling what it installs (Python compiles a module when it is first
+# imported): the newest jax's environment installs in half the time.
+PIP_INSTALL := -m pip install --quiet --no-compile
+
 export JAX_PLATFORMS := cpu
 export MPLBACKEND := Agg
 export NO_MKDOCS_2_WARNING := 1
@@ -13,10 +17,10 @@ export NO_MKDOCS_2_WARNING := 1
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) $(PIP_INSTALL) --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet --no-compile -e '.[dev,train,bench,docs]'
+	$(PY) $(PIP_INSTALL) -e '.[dev,train,bench,docs]'
 	touch $(STAMP)
 
 # The suite runs on TEST_WORKERS processes (pytest-xdist); a module whose tests share a
@@ -58,8 +62,8 @@ ZOO_PACKAGES := recurrentgemma==1.0.1 penzai==0.2.5
 $(STAMP_ZOO): pyproject.toml Makefile
 	rm -rf $(VENV_ZOO)
 	$(PYTHON) -m venv $(VENV_ZOO)
-	$(VENV_ZOO)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_ZOO)/bin/python -m pip install --quiet --no-compile -e '.[dev]' $(ZOO_PACKAGES)
+	$(VENV_ZOO)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(VENV_ZOO)/bin/python $(PIP_INSTALL) -e '.[dev]' $(ZOO_PACKAGES)
 	$(VENV_ZOO)/bin/python -c "import jax, flax, recurrentgemma, penzai; print('zoo:', 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_ZOO)
 
@@ -90,9 +94,9 @@ $(STAMP_NEWEST): pyproject.toml
 	@test -n "$(PYTHON_NEWEST)" || { echo "make test-newest: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
 	rm -rf $(VENV_NEWEST)
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-compile -e '.[dev,train]'
-	$(VENV_NEWEST)/bin/python -m pip install --quiet --no-compile --upgrade jax jaxlib flax optax
+	$(VENV_NEWEST)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(VENV_NEWEST)/bin/python $(PIP_INSTALL) -e '.[dev,train]'
+	$(VENV_NEWEST)/bin/python $(PIP_INSTALL) --upgrade jax jaxlib flax optax
 	$(VENV_NEWEST)/bin/python -c "import jax, flax, optax; print('newest:', 'jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__)"
 	touch $(STAMP_NEWEST)
 
@@ -118,8 +122,8 @@ $(STAMP_GPU): pyproject.toml
 	@test -n "$(PYTHON_NEWEST)" || { echo "make install-gpu-memory: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
 	rm -rf $(VENV_GPU)
 	$(PYTHON_NEWEST) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV_GPU)/bin/python -m pip install --quiet --no-compile -e '.[dev,train,gpu-memory]' \
+	$(VENV_GPU)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(VENV_GPU)/bin/python $(PIP_INSTALL) -e '.[dev,train,gpu-memory]' \
 		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
 	$(VENV_GPU)/bin/python -c "import jax, jaxlib, flax; print('gpu-memory:', 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_GPU)
