@@ -81,12 +81,16 @@ Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementati
 compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
 (``lax.platform_dependent``: the choice follows the platform the program is lowered for, a
 deviceless compile for a GPU included), and as the XLA implementation under the rules above
-elsewhere. Autocast traces ``fn`` in fp32, where JAX would pick the XLA implementation, so it
-sees the call (it calls a marked ``jax.jit`` while ``fn`` is traced) and makes the choice
-itself. cuDNN's kernel keeps the output and fp32 row statistics for the backward pass, not the
-probabilities. Shapes and options the kernel does not take (JAX checks them when it traces the
-fused call), and a call made inside an fp32 region, scope or :func:`full_precision`, or under
-an FP8 policy, keep the XLA implementation.
+elsewhere. Autocast traces ``fn`` in fp32, where JAX traces the XLA implementation inline; it
+finds the call's equations in the jaxpr (:mod:`jaxamp._attention`: where they were traced,
+confirmed by tracing JAX's function again) and makes the choice itself. Nothing of JAX's is
+changed, so a function imported by name and a trace in another thread are the same. cuDNN's
+kernel keeps the output and fp32 row statistics for the backward pass, not the probabilities.
+Shapes and options the kernel does not take (JAX checks them when it traces the fused call),
+a call made inside an fp32 region, scope or :func:`full_precision` or under an FP8 policy,
+one that names its ``implementation``, and one that JAX's function traced again does not
+confirm (a ``vmap`` of the call, sequence lengths, a local window, the residual) keep the
+XLA implementation.
 
 Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
 or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
@@ -95,10 +99,8 @@ region that runs exactly as written (torch's ``autocast(enabled=False)``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import re
 import warnings
@@ -117,6 +119,7 @@ from jax.extend import source_info_util
 from jaxamp import _fp8_errors
 from jaxamp import fp8
 from jaxamp import ops
+from jaxamp._attention import find_calls as attention_calls
 from jaxamp._jaxpr import CALLS
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
@@ -304,10 +307,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         arrays = [leaves[i] for i in traced]
         # Only the FP8 rule asks which argument a matmul reads.
         paths = [tree_path_str(with_paths[i][0]) for i in traced]
-        attention_calls: dict = {}
-        with _marking_attention(attention_calls):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
-                *[_as_written(x) for x in arrays])
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[_as_written(x) for x in arrays])
 
         recomputed = recompute and context.regions and not closed.effects
 
@@ -315,7 +316,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
 
         def evaluate(*arrays):
             ctx = dataclasses.replace(context, call=_Call(
-                scopes_seen=scopes_seen, attention=attention_calls,
+                scopes_seen=scopes_seen,
                 arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)}
                 if quantizes else {},
                 cheap={id(a): a for a in arrays} if recomputed else None,
@@ -385,8 +386,6 @@ class _Call:
     # matmul outputs rather than saved beside them: a softmax's probabilities from the
     # scores, a GELU from its matmul's output.
     near: dict | None = None
-    # The marked jax.nn.dot_product_attention calls of the trace: jit name -> their options.
-    attention: dict = dataclasses.field(default_factory=dict)
     # id -> (value, path) of the arguments and their views (casts, reshapes, transposes):
     # which matmul reads which argument (an FP8 policy keeps the head's in the compute dtype).
     arguments: dict = dataclasses.field(default_factory=dict)
@@ -502,15 +501,24 @@ def _cast_constant(x: Any, dtype: Any) -> Any:
 
 
 def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
-              const_args: Sequence[bool] | None = None) -> list:
+              const_args: Sequence[bool] | None = None, attention: bool = True) -> list:
     """Evaluates ``jaxpr`` under the rules: the package's one loop
-    (:func:`jaxamp._jaxpr.evaluate`), each equation by :func:`_run_equation`, and an fp32
-    region taken whole where a seed opens one. ``const_args`` flags the arguments that are
-    compile-time constants in the caller (a Python number passed to a jitted function)."""
+    (:func:`jaxamp._jaxpr.evaluate`), each equation by :func:`_run_equation`, an attention
+    call taken whole (``attention``: but in the body of one), and an fp32 region taken whole
+    where a seed opens one. ``const_args`` flags the arguments that are compile-time constants
+    in the caller (a Python number passed to a jitted function)."""
     constant = _constants(jaxpr, const_args)
     level = _Level(jaxpr) if ctx.regions else None
+    calls = (attention_calls(jaxpr) if attention and ctx.regions
+             and ctx.rules.get("dot_general") != "fp8" else {})
 
     def take(i: int, eqn: Any, env: dict, read: Callable) -> set[int] | None:
+        call = calls.get(i)
+        if call is not None:
+            out = _fused_attention(ctx, call, read, outer, constant)
+            if out is not None:
+                env[call.output] = out
+                return set(call.indices)
         if (level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
                 or _feeds_only_matmuls(level, i)):
             return None
@@ -814,11 +822,12 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
 
 
 def _body(ctx: _Context, closed: Any, stack: str,
-          const_args: Sequence[bool] | None = None) -> Callable:
+          const_args: Sequence[bool] | None = None, attention: bool = True) -> Callable:
     """A closed (or open) jaxpr as a function evaluated under the rules."""
     jaxpr = getattr(closed, "jaxpr", closed)
     consts = list(getattr(closed, "consts", ()))
-    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args)
+    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args,
+                                   attention)
 
 
 def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
@@ -826,10 +835,6 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = ctx.rule(eqn, stack)
-    if name in CALLS and eqn.params.get("name") in ctx.call.attention and rule is _PROMOTE_RULE:
-        fused = _fused_attention(ctx, eqn, invals, stack, const_in)
-        if fused is not None:
-            return fused
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
         is_remat = higher_order.kind == "remat"
@@ -891,71 +896,39 @@ def _kept(ctx: _Context, values: Sequence[Any]) -> list:
 # Fused attention
 # --------------------------------------------------------------------------------------------
 
-_ATTENTION = "jaxamp_dot_product_attention"
-# Numbers the marked calls across traces: an autocast inside another's trace never takes the
-# outer one's marks for its own.
-_ATTENTION_CALLS = itertools.count()
-
-
-@contextlib.contextmanager
-def _marking_attention(calls: dict):
-    """While ``fn`` is traced, ``jax.nn.dot_product_attention`` without an ``implementation``
-    runs inside a ``jax.jit`` named ``_ATTENTION_<n>``, which :func:`_equation` recognises;
-    ``calls`` gets each one's options. The marked call computes the same function (a nested
-    jit), so a trace in another thread meanwhile, which sees it too, is not changed."""
-    original = jax.nn.dot_product_attention
-
-    def marked(query, key, value, bias=None, mask=None, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("scale", "is_causal", "local_window_size")
-                   if k in kwargs}
-        # An implementation, sequence lengths, the residual (or an option of a newer JAX):
-        # the call as asked, untouched.
-        if any(v is not None and v is not False for v in kwargs.values()):
-            return original(query, key, value, bias, mask, **options, **kwargs)
-        name = f"{_ATTENTION}_{next(_ATTENTION_CALLS)}"
-        calls[name] = dict(options, bias=bias is not None, mask=mask is not None)
-
-        def call(q, k, v, b, m):
-            return original(q, k, v, b, m, **options)
-        call.__name__ = call.__qualname__ = name
-        return jax.jit(call)(query, key, value, bias, mask)
-
-    jax.nn.dot_product_attention = marked
-    try:
-        yield
-    finally:
-        jax.nn.dot_product_attention = original
-
-
-def _fused_attention(ctx: _Context, eqn: Any, invals: list, stack: str,
-                     const_in: Sequence[bool]) -> list | None:
-    """A marked attention call under a half compute dtype: cuDNN's kernel where the program
-    is lowered for CUDA, the XLA implementation under the rules elsewhere. None where the
-    fused kernel is not an option (fp32 or FP8 compute, a shape or dtype cuDNN does not
-    take): the caller then inlines the call like any jit."""
-    options = dict(ctx.call.attention[eqn.params["name"]])
-    if not ctx.regions or ctx.rules.get("dot_general") == "fp8":
+def _fused_attention(ctx: _Context, call: Any, read: Callable, outer: str,
+                     constant: set) -> list | None:
+    """A ``jax.nn.dot_product_attention`` call under a half compute dtype: cuDNN's kernel
+    where the program is lowered for CUDA, JAX's XLA implementation under the rules
+    elsewhere. None where the fused kernel is not an option (a rule other than the default
+    on its matmul: an fp32 scope, :func:`full_precision`, an fp32 region; a shape or dtype
+    cuDNN does not take): its equations then run one by one."""
+    stack = nested_stack(call.scores, outer)
+    if ctx.rule(call.scores, stack) is not _RULES["compute"]:
         return None
+    options = dict(call.options)
     has_bias, has_mask = options.pop("bias"), options.pop("mask")
-    it = iter(invals)
+    it = iter([read(v) for v in call.inputs])
     q, k, v = (_cast(next(it), ctx.compute) for _ in range(3))
     bias = _cast(next(it), ctx.compute) if has_bias else None
     mask = next(it) if has_mask else None
-    explicit_body = _body(ctx, eqn.params["jaxpr"], stack, const_in)
+    # Elsewhere its own equations, as they were traced (in a shard_map too), under the rules.
+    explicit_body = _body(ctx, call.equations, outer, [v in constant for v in call.reads],
+                          attention=False)
 
-    def fused(q, k, v, bias, mask):
+    def fused(q, k, v, bias, mask, *_):
         out = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="cudnn",
                                            **options)
         return [out]
 
-    def explicit(q, k, v, bias, mask):
-        args = [q, k, v] + ([bias] if has_bias else []) + ([mask] if has_mask else [])
-        return [_cast(x, ctx.compute) for x in explicit_body(*args)]
+    def explicit(q, k, v, bias, mask, *reads):
+        return [_cast(x, ctx.compute) for x in explicit_body(*reads)]
     try:  # JAX checks cuDNN, the dtypes, head size and masks when it traces the call
         jax.eval_shape(fused, q, k, v, bias, mask)
     except Exception:  # noqa: BLE001 - any refusal means: not this kernel
         return None
-    return lax.platform_dependent(q, k, v, bias, mask, cuda=fused, default=explicit)
+    return lax.platform_dependent(q, k, v, bias, mask, *[read(v) for v in call.reads],
+                                  cuda=fused, default=explicit)[0]
 
 
 def _downcast_source(ctx: _Context, x: Any) -> Any:

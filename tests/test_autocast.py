@@ -1,6 +1,7 @@
 """Tests of jaxamp.autocast: per-op dtype rules on any unmodified JAX, Flax or Equinox model."""
 
 import ast
+import functools
 import inspect
 import pathlib
 import re
@@ -1285,13 +1286,51 @@ def test_recompute_keeps_the_scores_not_the_probabilities():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
-    """Autocast sees ``jax.nn.dot_product_attention`` (flax NNX's attention calls it) as one
-    marked call while it traces, and puts JAX's function back afterwards, on an error too. An
-    explicit ``implementation`` is passed through as asked. Without cuDNN (this CPU lane) the
-    call runs the XLA implementation under the rules: the same values as before."""
-    from jaxamp import _autocast as autocasting
-    from jaxamp._jaxpr import walk
+def test_attention_calls_are_found_where_jax_traced_them():
+    """``jax.nn.dot_product_attention``'s calls, found in the jaxpr by where JAX traced them and
+    confirmed by tracing JAX's function again: the options read back (scale, causal, a bias and
+    a mask), a function imported by name, two calls in a row from one line, 3-d operands. Not a
+    call that names its implementation, a ``vmap`` of the call, sequence lengths, a local
+    window or the residual: those run as they are."""
+    from jax.nn import dot_product_attention as imported
+
+    from jaxamp import _attention
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
+    mask, bias = jnp.tril(jnp.ones((8, 8), bool))[None, None], jnp.zeros((1, 4, 8, 8))
+    lengths = jnp.array([3, 8], jnp.int32)
+
+    def f(q, k, v):
+        o = imported(q * 2, k, v, is_causal=True)
+        o = jax.nn.dot_product_attention(o, k, v, scale=0.5) + 1
+        o = jax.nn.dot_product_attention(o, k, v, bias, mask)
+        o = jax.nn.dot_product_attention(o, k, v, implementation="xla")
+        for _ in range(2):
+            o = jax.nn.dot_product_attention(o, k, v)
+        o = jax.vmap(jax.nn.dot_product_attention)(o, k, v)
+        o = jax.nn.dot_product_attention(o, k, v, key_value_seq_lengths=lengths)
+        o = jax.nn.dot_product_attention(o, k, v, local_window_size=(2, 2))
+        o = jax.nn.dot_product_attention(o, k, v, return_residual=True)[0]
+        return jax.nn.dot_product_attention(o[0], k[0], v[0])
+
+    calls = _attention.find_calls(jax.make_jaxpr(f)(q, k, v).jaxpr)
+    found = [(c.options, [tuple(x.aval.shape) for x in c.inputs]) for c in calls.values()]
+    plain = {"scale": 0.25, "is_causal": False, "bias": False, "mask": False}
+    qkv = [(2, 8, 4, 16)] * 3
+    assert found == [
+        ({**plain, "is_causal": True}, qkv),
+        ({**plain, "scale": 0.5}, qkv),
+        ({**plain, "bias": True, "mask": True}, [*qkv, (1, 4, 8, 8), (1, 1, 8, 8)]),
+        (plain, qkv), (plain, qkv),
+        (plain, [(1, 8, 4, 16)] * 3)]  # 3-d operands: the call on their 4-d views
+    for call in calls.values():  # JAX's function on the call's inputs, equation for equation
+        assert len(call.body.jaxpr.eqns) == len(call.indices)
+
+
+def test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does():
+    """Nothing of JAX's is replaced while autocast traces (``jax.nn.dot_product_attention`` is
+    JAX's own in the model), on an error too. Without cuDNN (this CPU lane) a found call runs
+    JAX's XLA implementation under the rules: the values and gradients of the call that asks
+    for it by name."""
     original = jax.nn.dot_product_attention
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
     seen = []
@@ -1302,20 +1341,58 @@ def test_attention_calls_are_marked_while_tracing_and_jax_is_restored():
                                            implementation=implementation)
         return jnp.mean(out ** 2)
 
-    jaxpr = jax.make_jaxpr(jaxamp.autocast(f))(q, k, v)
-    assert seen == [False] and jax.nn.dot_product_attention is original
-    names = {e.params.get("name") for e, _ in walk(jaxpr.jaxpr)
-             if e.primitive.name in ("pjit", "jit")}
-    assert not any(str(n).startswith(autocasting._ATTENTION) for n in names)  # evaluated away
-    marked = jaxamp.autocast(f)(q, k, v)
-    as_asked = jaxamp.autocast(f)(q, k, v, "xla")
-    assert marked.dtype == jnp.float32
-    np.testing.assert_allclose(float(marked), float(as_asked), rtol=1e-6)
+    found = jaxamp.autocast(f)(q, k, v)
+    as_asked = jaxamp.autocast(functools.partial(f, implementation="xla"))(q, k, v)
+    assert seen == [True, True] and found.dtype == jnp.float32
+    np.testing.assert_allclose(float(found), float(as_asked), rtol=1e-6)
+    grads = jax.grad(jaxamp.autocast(f), argnums=(0, 1, 2))(q, k, v)
+    grads_as_asked = jax.grad(jaxamp.autocast(functools.partial(f, implementation="xla")),
+                              argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads, grads_as_asked, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
     def fails(q):
         raise ValueError("boom")
     with pytest.raises(ValueError, match="boom"):
         jaxamp.autocast(fails)(q)
+    assert jax.nn.dot_product_attention is original
+
+
+def test_two_autocast_traces_racing_in_threads_leave_jax_as_it_was():
+    """Two threads trace autocast functions with attention at once, the second finishing last:
+    each gets the values of a trace made alone, and ``jax.nn.dot_product_attention`` is JAX's
+    own afterwards (a function swapped in while tracing and put back by each thread would be
+    left as the first thread's)."""
+    import threading
+    import time
+    original = jax.nn.dot_product_attention
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 2, 16)) for i in range(3))
+    both_tracing = threading.Barrier(2, timeout=60)
+
+    def model(delay):
+        def f(q, k, v):
+            both_tracing.wait()
+            time.sleep(delay)
+            return jnp.mean(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+        return f
+
+    alone = float(jax.jit(jaxamp.autocast(
+        lambda q, k, v: jnp.mean(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)))(
+        q, k, v))
+    results, errors = {}, []
+
+    def run(name, delay):
+        try:
+            results[name] = float(jax.jit(jaxamp.autocast(model(delay)))(q, k, v))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(n, d)) for n, d in (("a", 0.0), ("b", 0.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results == {"a": alone, "b": alone}
     assert jax.nn.dot_product_attention is original
 
 
@@ -1662,13 +1739,21 @@ PAGE_CLAIMS = {
     "as cuDNN's fused flash attention wherever the step is compiled for an NVIDIA GPU": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
     "as JAX's XLA implementation under the rules above everywhere else": (
-        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+        AC + "test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does",
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel"),
     "and so `nnx.MultiHeadAttention` with its defaults, makes that call": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
-    "so it marks the call while it traces and makes the choice itself": (
-        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+    "so it finds the call in the traced program and makes the choice itself": (
+        AC + "test_attention_calls_are_found_where_jax_traced_them",
         GPU + "test_the_reference_transformers_lower_attention_to_cudnn"),
+    "autocast confirms them by tracing JAX's function again on the same inputs": (
+        AC + "test_attention_calls_are_found_where_jax_traced_them",),
+    "so a function imported by name (`from jax.nn import dot_product_attention`) is found too": (
+        AC + "test_attention_calls_are_found_where_jax_traced_them",
+        GPU + "test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn"),
+    "two threads tracing at once do not see each other's work": (
+        AC + "test_two_autocast_traces_racing_in_threads_leave_jax_as_it_was",
+        GPU + "test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn"),
     "so `jaxamp.gpu_memory` (a GPU compile on a machine without one) sees the GPU's program": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
     "not the `[batch, heads, length, length]` probabilities": (
@@ -1677,9 +1762,10 @@ PAGE_CLAIMS = {
     # Untested here (XLA:GPU only, the CPU lane has no cuDNN to choose): a call inside an fp32
     # region, an fp32 scope or full_precision, under an FP8 policy, or of a head size, dtype or
     # mask cuDNN refuses keeps the XLA implementation.
-    "A call with an explicit `implementation`, sequence lengths or `return_residual` runs as "
-    "asked": (
-        AC + "test_attention_calls_are_marked_while_tracing_and_jax_is_restored",
+    "A call with an explicit `implementation`, sequence lengths, a local window or "
+    "`return_residual`, and a `vmap` of the call, run as asked": (
+        AC + "test_attention_calls_are_found_where_jax_traced_them",
+        AC + "test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does",
         AC + "test_an_attention_call_with_sequence_lengths_or_a_residual_runs_as_asked"),
     "compute their attention with einsums and a softmax; autocast runs those under its rules": (
         AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads"

@@ -1,6 +1,7 @@
 """jaxamp leans on public JAX APIs, with one guarded private import (the saved-residuals list
-behind ``jax.ad_checkpoint.print_saved_residuals``) and one private object reached through a
-jaxpr (the operand layout of a ``scan``, whose params changed in jax 0.11). These tests pin the
+behind ``jax.ad_checkpoint.print_saved_residuals``) and private objects reached through a
+jaxpr (the operand layout of a ``scan``, whose params changed in jax 0.11; an equation's
+traceback, which names the function that traced it). These tests pin the
 JAX range both are known to work in, check the public fallback against the import, and check
 that a diagnostic can never break a training step."""
 
@@ -88,6 +89,23 @@ def test_the_layout_of_a_while_loop_is_read_from_its_structure():
     if "cond_nconsts" in eqn.params:
         assert _jaxpr.while_layout(eqn) == (eqn.params["cond_nconsts"],
                                             eqn.params["body_nconsts"])
+
+
+def test_an_equations_traceback_names_jaxs_attention_function():
+    """The attention finder's private read (``jaxamp/_attention.py``): an equation's
+    ``source_info.traceback.raw_frames()`` holds the code of ``jax.nn.dot_product_attention``,
+    defined in ``jax/_src/nn/functions.py``, for the equations it traced; and an equation
+    without a traceback is none of its calls."""
+    from jaxamp import _attention
+    q = jnp.ones((1, 4, 1, 8))
+    jaxpr = jax.make_jaxpr(lambda q: jax.nn.dot_product_attention(q, q, q) + 1)(q).jaxpr
+    sites = [_attention.site(e) for e in jaxpr.eqns]
+    assert all(sites[:-1]) and sites[-1] is None
+    code, _ = sites[0][0]
+    assert code is jax.nn.dot_product_attention.__code__
+    assert code.co_filename.endswith(_attention._MODULE)
+    no_traceback = types.SimpleNamespace(source_info=types.SimpleNamespace(traceback=None))
+    assert _attention.site(no_traceback) is None
 
 
 def test_where_names_the_user_line_and_survives_missing_source_info():

@@ -222,6 +222,38 @@ def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
                                rtol=1e-6)
 
 
+def test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn():
+    """A model that imported ``dot_product_attention`` by name, under autocast, traced in two
+    threads at once and compiled for an H200: cuDNN's kernel forward and backward in each."""
+    import threading
+
+    from jax.nn import dot_product_attention
+    s = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.float32)
+    both_tracing = threading.Barrier(2, timeout=120)
+
+    def loss(q, k, v):
+        both_tracing.wait()
+        return jnp.mean(dot_product_attention(q, k, v, is_causal=True) ** 2)
+    hlo, errors = {}, []
+
+    def compile_for_the_gpu(name):
+        try:
+            grad = jax.jit(jax.grad(jaxamp.autocast(loss), argnums=(0, 1, 2)))
+            hlo[name] = jaxamp.gpu_memory(grad, s, s, s, target="h200").hlo
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=compile_for_the_gpu, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for text in hlo.values():
+        calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', text)
+        assert sorted(calls) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"], calls
+    assert len(hlo) == 2
+
+
 def test_the_audit_counts_cudnns_attention_flops():
     """cuDNN's fused attention is matmuls too: the audit counts its two forward matmuls, and
     twice those in the backward pass, as for the explicit attention's ``dot_general``s."""
