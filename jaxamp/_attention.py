@@ -163,8 +163,9 @@ def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> 
         return None
     # The query is read first; a bias is read before the key and value (4-d operands) or
     # after them (3-d operands, made 4-d first).
-    orders = {3: [(0, 1, 2)], 4: [(0, 2, 3, 1), (0, 1, 2, 3)]}.get(len(floats), [])
-    for order in orders:
+    orders: dict[int, list[tuple[int, ...]]] = {3: [(0, 1, 2)],
+                                                4: [(0, 2, 3, 1), (0, 1, 2, 3)]}
+    for order in orders.get(len(floats), []):
         ordered = (*[floats[k] for k in order], *masks)
         for is_causal in (False, True):
             options = {"scale": scale, "is_causal": is_causal, "bias": len(order) == 4,
