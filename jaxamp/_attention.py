@@ -128,17 +128,22 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
 _VARYING = "pvary"
 
 
-def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> Call | None:
-    members = set(indices)
+def _without_varying(eqns: Any) -> tuple[list, dict]:
+    """``eqns`` but their ``pvary`` equations, and what each of those outputs stands for."""
     aliases: dict = {}
-    run = []
-    for i in indices:
-        eqn = eqns[i]
+    kept = []
+    for eqn in eqns:
         if eqn.primitive.name == _VARYING:
             for out, x in zip(eqn.outvars, eqn.invars, strict=True):
-                aliases[out] = x if isinstance(x, Literal) else aliases.get(x, x)
+                aliases[out] = _alias(x, aliases)
         else:
-            run.append(eqn)
+            kept.append(eqn)
+    return kept, aliases
+
+
+def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> Call | None:
+    members = set(indices)
+    run, aliases = _without_varying(eqns[i] for i in indices)
     defined = {v for eqn in run for v in eqn.outvars} | set(aliases)
     reads: list = []
     for i in indices:
@@ -224,19 +229,10 @@ def _same(run: list, inputs: tuple, output: Any, body: Any, aliases: dict) -> bo
             and mine is not None and reference is not None and mine[0] == reference[0])
 
 
-def _same_eqns(mine: list, theirs: list, env: dict, aliases: dict | None = None) -> bool:
+def _same_eqns(mine: list, theirs: list, env: dict, aliases: dict) -> bool:
     """Equations alike one for one, ``env`` mapping each of ``theirs``' variables to
-    ``mine``'s (extended with their outputs); ``aliases``: what some of ``mine``'s variables
-    stand for."""
-    aliases = dict(aliases or {})
-    kept = []
-    for eqn in mine:
-        if eqn.primitive.name == _VARYING:
-            for out, x in zip(eqn.outvars, eqn.invars, strict=True):
-                aliases[out] = _alias(x, aliases)
-        else:
-            kept.append(eqn)
-    mine = kept
+    ``mine``'s (extended with their outputs); ``mine`` without ``pvary`` equations, whose
+    outputs ``aliases`` maps to what they stand for."""
     if len(mine) != len(theirs):
         return False
     for eqn, other in zip(mine, theirs, strict=True):
@@ -272,13 +268,11 @@ def _same_jaxpr(a: Any, b: Any) -> bool:
                 (*a.constvars, *a.invars), (*b.constvars, *b.invars), strict=True))):
         return False
     env = dict(zip((*b.constvars, *b.invars), (*a.constvars, *a.invars), strict=True))
-    if not _same_eqns(a.eqns, b.eqns, env):
+    kept, aliases = _without_varying(a.eqns)
+    if not _same_eqns(kept, b.eqns, env, aliases):
         return False
-    varying = {out: x for eqn in a.eqns if eqn.primitive.name == _VARYING
-               for out, x in zip(eqn.outvars, eqn.invars, strict=True)}
     for x, y in zip(a.outvars, b.outvars, strict=True):
-        while not isinstance(x, Literal) and x in varying:
-            x = varying[x]
+        x = _alias(x, aliases)
         same = (isinstance(x, Literal) and isinstance(y, Literal)
                 and np.array_equal(np.asarray(x.val), np.asarray(y.val))) or env.get(y) is x
         if not same:

@@ -1138,7 +1138,6 @@ class _Fp8(_Compute):
 _RULES: dict[str, _Rule] = {"compute": _Compute(), "float32": _Float32(), "promote": _Rule(),
                             "original": _Original(), "fp8": _Fp8()}
 """The rule of each name a ``rules=`` entry may give."""
-_PROMOTE_RULE = _RULES["promote"]
 _ORIGINAL_RULE = _RULES["original"]
 _FLOAT32_RULE = _RULES["float32"]
 _EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
