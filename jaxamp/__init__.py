@@ -62,6 +62,7 @@ from jaxamp._master_weights import policy_of
 from jaxamp._master_weights import scale_loss
 from jaxamp._master_weights import working_params
 from jaxamp._moments import quantized_moments
+from jaxamp._objective import Objective
 from jaxamp._overflow import OverflowEvent
 from jaxamp._overflow import OverflowReport
 from jaxamp._overflow import explain_overflow
@@ -84,6 +85,7 @@ __all__ = (
     "MASTERS",
     "MixedPrecisionState",
     "NoOpLossScale",
+    "Objective",
     "OverflowEvent",
     "OverflowReport",
     "PRESETS",

@@ -10,6 +10,7 @@ in backward order, plus every param whose gradient is non-finite.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import where
-from jaxamp._loss import split_outputs
 from jaxamp._master_weights import maybe_find_state
+from jaxamp._objective import Objective
+from jaxamp._objective import Scaled
+from jaxamp._objective import objective_of
+from jaxamp._train_step import TrainStep
+from jaxamp._train_step import split_micro_batches
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
 
@@ -76,6 +80,9 @@ class OverflowReport:
     """The step's unscaled loss (computed in fp32), as a python float."""
     loss_scale: float
     """The loss scale the step ran with (1 without a :func:`jaxamp.mixed_precision` state)."""
+    micro_batch: int | None = None
+    """With ``accum_steps``: the first micro-batch whose evaluation held an inf or nan (the
+    :attr:`events` are its), or ``None``."""
 
     @property
     def first_forward(self) -> OverflowEvent | None:
@@ -89,6 +96,8 @@ class OverflowReport:
 
     def __str__(self) -> str:
         lines = [f"jaxamp overflow report: loss {self.loss:g} at loss scale {self.loss_scale:g}"]
+        if self.micro_batch is not None:
+            lines[0] += f", first in micro-batch {self.micro_batch}"
         if not self.events:
             lines.append("  every activation and gradient is finite")
         for e in self.events:
@@ -113,18 +122,36 @@ def _layer(eqn: Any, outer: str) -> str:
     return scope(eqn, outer).removesuffix(" [backward]") or where(eqn)
 
 
-def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool = False,
+def _objective_and_micro_batches(step: Any, flags: dict[str, bool]) -> tuple[Objective, int]:
+    """The objective a step trains and its micro-batches per step; a loss function with the
+    flags builds one (one micro-batch)."""
+    unwrapped = inspect.unwrap(step)  # jax.jit and jax.pmap keep the step as __wrapped__
+    if isinstance(unwrapped, TrainStep):
+        given = [k for k, v in flags.items() if v]
+        if given:
+            raise TypeError(f"{', '.join(f'{k}=True' for k in given)} is for a loss function; "
+                            "the step already holds its objective (step.objective)")
+        return unwrapped.objective, unwrapped.accum_steps
+    return objective_of(step, flags), 1
+
+
+def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = False,
                      has_model_state: bool = False, has_rng: bool = False,
                      autocast: bool = False) -> OverflowReport:
-    """Re-runs one step of ``loss_fn`` eagerly and reports where inf or nan first appear.
+    """Re-runs one step eagerly and reports where inf or nan first appear.
 
-    Takes the same ``loss_fn`` and flags as :func:`jaxamp.make_train_step` (``has_aux``,
-    ``has_model_state``, ``has_rng``, ``autocast``), a :class:`jaxamp.TrainState` and one
-    (unsharded) batch, and evaluates the program the step runs: with ``autocast=True``,
-    ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy, its fp32 regions and
-    recomputation included, so an op that the rules keep in fp32 is not reported as an fp16
-    overflow. The loss is scaled by the state's current loss scale, as in the step, so fp16
-    overflows caused by the scale show up.
+    ``step`` is the step from :func:`jaxamp.make_train_step` (or ``jax.jit`` of it), which
+    holds its :class:`~jaxamp.Objective`; an :class:`~jaxamp.Objective`; or a loss function
+    with the flags of :func:`jaxamp.make_train_step` (``has_aux``, ``has_model_state``,
+    ``has_rng``, ``autocast``). With a :class:`jaxamp.TrainState` and one (unsharded) batch it
+    evaluates the program the step runs, equation by equation: the loss under
+    :func:`jaxamp.autocast` with the state's policy when the objective asks for it (its fp32
+    regions and recomputation included, so an op that the rules keep in fp32 is not reported as
+    an fp16 overflow), the FP8 metadata handed as the step hands it, and with ``accum_steps``
+    each micro-batch in turn (the report names the first that held an inf or nan). The loss is
+    scaled by the state's current loss scale, as in the step, so fp16 overflows caused by the
+    scale show up. (Under ``pmap`` or a sharded ``jit`` the step folds each device's index into
+    the rng and averages over devices; one batch here is one device's program.)
 
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> def loss_fn(params, batch):
@@ -136,28 +163,45 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
     >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
     >>> state = jaxamp.TrainState.create(
     ...     params={"w1": jnp.full((4, 4), 4.0), "w2": jnp.ones((4, 1))}, tx=tx)
-    >>> report = explain_overflow(state, {"x": jnp.ones((2, 4))}, loss_fn)
+    >>> step = jaxamp.make_train_step(loss_fn)
+    >>> report = explain_overflow(state, {"x": jnp.ones((2, 4))}, step)
     >>> report.first_forward.layer, report.first_forward.primitive
     ('layer2', 'exp')
     """
+    objective, k = _objective_and_micro_batches(step, {
+        "has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng,
+        "autocast": autocast})
     policy = state.policy
-    if autocast:
-        loss_fn = _autocast(loss_fn, policy)
     mp = maybe_find_state(state.opt_state)
     scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
     batch = policy.cast_to_compute(batch)
-    kwargs: dict[str, Any] = {}
-    if has_model_state:
-        kwargs["model_state"] = state.model_state
-    if has_rng:
-        kwargs["rng"] = jax.random.fold_in(state.rng, state.step)
+    rng = None
+    if objective.has_rng:
+        if state.rng is None:
+            raise ValueError("has_rng=True but state.rng is None")
+        rng = jax.random.fold_in(state.rng, state.step)
+    micro_batches = [batch] if k == 1 else [
+        jax.tree.map(lambda x, i=i: x[i], split_micro_batches(batch, k)) for i in range(k)]
+    model_state = state.model_state
+    losses, grads, found, at = [], None, [], None
+    for i, micro in enumerate(micro_batches):
+        micro_rng = rng if k == 1 or rng is None else jax.random.fold_in(rng, i)
+        events, loss, micro_grads, model_state = _explain_micro_batch(
+            objective.scaled(policy, micro, scale, model_state, micro_rng), state.params)
+        losses.append(loss)
+        grads = micro_grads if grads is None else jax.tree.map(jnp.add, grads, micro_grads)
+        if events and at is None:
+            found, at = events, i
+    bad = [tree_path_str(path) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+           if _kind(g) is not None]
+    return OverflowReport(found, bad, float(np.mean(losses)), float(scale),
+                          micro_batch=at if k > 1 else None)
 
-    def scaled_loss(params):
-        loss, _, _ = split_outputs(loss_fn(params, batch, **kwargs), has_aux, has_model_state)
-        loss = jnp.asarray(loss).astype(jnp.float32)
-        return loss * scale, loss
 
-    closed = jax.make_jaxpr(jax.value_and_grad(scaled_loss, has_aux=True))(state.params)
+def _explain_micro_batch(scaled: Scaled, params: Any):
+    """``(events, loss, grads, new model state)`` of one micro-batch, evaluated eagerly."""
+    closed, shapes = jax.make_jaxpr(jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True),
+                                    return_shape=True)(params, scaled.handed)
     events: list[OverflowEvent] = []
     seen: set[tuple[str, str]] = set()
 
@@ -175,11 +219,10 @@ def explain_overflow(state: Any, batch: Any, loss_fn: Callable, *, has_aux: bool
                                         jnp.dtype(out.dtype).name, tuple(out.shape), kind))
             return
 
-    leaves = jax.tree.leaves(state.params)
-    outs = evaluate(closed.jaxpr, list(closed.consts), leaves, on_eqn)
-    out_tree = jax.tree.structure(((0.0, 0.0), state.params))
-    (_, loss), grads = jax.tree.unflatten(out_tree, outs)
-    bad = [tree_path_str(path) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
-           if _kind(g) is not None]
+    outs = evaluate(closed.jaxpr, list(closed.consts), jax.tree.leaves((params, scaled.handed)),
+                    on_eqn)
+    (_, (loss, new_model_state, _)), (grads, _) = jax.tree.unflatten(
+        jax.tree.structure(shapes), outs)
     events.sort(key=lambda e: e.phase != "forward")  # forward first, each in execution order
-    return OverflowReport(events, bad, float(loss), float(scale))
+    return events, loss, grads, new_model_state if scaled.objective.has_model_state else (
+        scaled.model_state)

@@ -42,14 +42,11 @@ from jax.typing import DTypeLike
 
 from jaxamp import _data_parallel
 from jaxamp import _model_state
-from jaxamp._autocast import autocast as _autocast
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import run_traced
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
-from jaxamp._loss import check_loss
-from jaxamp._loss import split_outputs
 from jaxamp._master_weights import MixedPrecisionState
 from jaxamp._master_weights import find_state
 from jaxamp._master_weights import get_master_params
@@ -57,6 +54,8 @@ from jaxamp._master_weights import maybe_find_state
 from jaxamp._master_weights import next_working_params
 from jaxamp._master_weights import skip_or_apply
 from jaxamp._master_weights import storage_of
+from jaxamp._objective import Objective
+from jaxamp._objective import objective_of
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
 from jaxamp._tree import State
@@ -68,7 +67,7 @@ from jaxamp._tree import static_field
 from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
 
-__all__ = ["TrainState", "make_train_step"]
+__all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches"]
 
 
 def _same_policy(a: Policy, b: Policy) -> bool:
@@ -165,37 +164,14 @@ class TrainState(State, kw_only=True):
         return jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepConfig:
-    """What ``make_train_step`` was built with."""
-
-    loss_fn: Callable[..., Any]
-    has_aux: bool
-    has_model_state: bool
-    has_rng: bool
-    accum_steps: int
-    axis_name: str | None
-    reduce_dtype: Any
-    warn_fp32_matmuls: bool
-    sync_model_state: bool
-    autocast: bool
-    mesh: Any
-    data_axis: Any
-    pin_grad_layout: bool | None
-
-
 def _pins_layout(pin_grad_layout: bool | None) -> bool:
     if pin_grad_layout is not None:
         return bool(pin_grad_layout)
     return jax.default_backend() == "cpu" and jax.device_count() == 1
 
 
-def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
-                          axis_name: Any, mesh: Any, data_axis: Any,
-                          pin_grad_layout: Any) -> None:
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__} "
-                        f"{loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
+def _check_step_arguments(accum_steps: Any, reduce_dtype: Any, axis_name: Any, mesh: Any,
+                          data_axis: Any, pin_grad_layout: Any) -> None:
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps must be an int >= 1, got {accum_steps!r}; 1 (the "
                          "default) takes one micro-batch per step")
@@ -222,37 +198,44 @@ def _check_step_arguments(loss_fn: Any, accum_steps: Any, reduce_dtype: Any,
 
 
 def make_train_step(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Objective,
     *,
     has_aux: bool = False,
     has_model_state: bool = False,
     has_rng: bool = False,
+    autocast: bool = False,
     accum_steps: int = 1,
     axis_name: str | None = None,
     reduce_dtype: DTypeLike = jnp.float32,
     warn_fp32_matmuls: bool = True,
     sync_model_state: bool = True,
-    autocast: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = "auto",
     pin_grad_layout: bool | None = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
-    ``loss_fn`` is called as ``loss_fn(params, batch)``, plus ``model_state=`` when
-    ``has_model_state`` and ``rng=`` when ``has_rng``. It returns the loss, or a tuple:
-    ``(loss, aux)`` with ``has_aux``, ``(loss, new_model_state)`` with ``has_model_state`` and
-    ``(loss, new_model_state, aux)`` with both. The loss must be a floating scalar; it is
-    reduced in fp32 whatever the compute dtype.
+    ``loss_fn`` is a :class:`jaxamp.Objective`, or the loss function with the flags that build
+    one (``has_aux``, ``has_model_state``, ``has_rng``, ``autocast``). It is called as
+    ``loss_fn(params, batch)``, plus ``model_state=`` when ``has_model_state`` and ``rng=`` when
+    ``has_rng``. It returns the loss, or a tuple: ``(loss, aux)`` with ``has_aux``, ``(loss,
+    new_model_state)`` with ``has_model_state`` and ``(loss, new_model_state, aux)`` with both.
+    The loss must be a floating scalar; it is reduced in fp32 whatever the compute dtype. The
+    step keeps the objective as ``step.objective``: :func:`jaxamp.explain_overflow` takes the
+    step and re-runs what it trains.
 
     Args:
-      loss_fn: the loss, in terms of the working params and a (cast) batch.
+      loss_fn: the loss, in terms of the working params and a (cast) batch, or an
+        :class:`~jaxamp.Objective`.
       has_aux: ``loss_fn`` also returns auxiliary outputs, returned as ``metrics["aux"]``
         (stacked over micro-batches when ``accum_steps > 1``).
       has_model_state: ``loss_fn`` takes ``model_state=`` and returns the new one. On a
         skipped step the new model state is discarded.
       has_rng: ``loss_fn`` takes ``rng=``, the state's key folded with the step, the
         micro-batch index and, under ``axis_name``, the device index.
+      autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
+        matmuls in the compute dtype and precision-sensitive ops in fp32, for a model written
+        in fp32 with no ``dtype=`` anywhere.
       accum_steps: micro-batches per step. The batch's leading axis is split into this many;
         the gradients are summed in fp32 and the optimizer runs once.
       axis_name: the pmap/shard_map axis to average gradients, loss and metrics over, when
@@ -280,9 +263,6 @@ def make_train_step(
         batch XLA then reduces the gradients itself, in their dtype (bf16 for bf16 params).
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
         in fp32 (a promotion by an fp32 param or activation). The check never raises.
-      autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
-        matmuls in the compute dtype and precision-sensitive ops in fp32, for a model written
-        in fp32 with no ``dtype=`` anywhere.
       pin_grad_layout: pin the traced gradients of rank >= 2 to row-major before the update of
         :func:`jaxamp.mixed_precision` (its finite check and skip). ``None`` (default): only on
         XLA:CPU with a single device, where it was measured to save two passes over the
@@ -294,9 +274,9 @@ def make_train_step(
     scale used for this step), ``grads_finite`` (False on a skipped step: a gradient or the
     loss held an inf or nan; a non-finite loss never trains), ``skipped_steps`` (cumulative),
     ``grad_norm`` (of the unscaled, averaged gradients), ``nonfinite_leaves`` and
-    ``first_nonfinite_leaf`` (-1, or the index that :func:`jaxamp.nonfinite_leaf_path` maps to
-    the offending param's path), ``skips_at_min_scale`` (consecutive non-finite steps at the
-    minimum loss scale) and ``stalled`` (True once those reach the ``stall_after`` of
+    ``first_nonfinite_leaf`` (-1, or the index that :func:`jaxamp.gradients.nonfinite_leaf_path`
+    maps to the offending param's path), ``skips_at_min_scale`` (consecutive non-finite steps at
+    the minimum loss scale) and ``stalled`` (True once those reach the ``stall_after`` of
     :func:`jaxamp.mixed_precision`: loss scaling cannot fix this overflow, so stop and look at
     the data or the model).
 
@@ -314,77 +294,158 @@ def make_train_step(
     1.0 32768.0 False
     1.0 16384.0 True
     """
+    objective = objective_of(loss_fn, {"has_aux": has_aux, "has_model_state": has_model_state,
+                                        "has_rng": has_rng, "autocast": autocast})
     reduce_dtype = jnp.dtype(reduce_dtype)
-    _check_step_arguments(loss_fn, accum_steps, reduce_dtype, axis_name, mesh, data_axis,
+    _check_step_arguments(accum_steps, reduce_dtype, axis_name, mesh, data_axis,
                           pin_grad_layout)
-    config = _StepConfig(loss_fn, has_aux, has_model_state, has_rng, accum_steps, axis_name,
-                         reduce_dtype, warn_fp32_matmuls, sync_model_state, bool(autocast),
-                         mesh, data_axis, pin_grad_layout)
+    return TrainStep(objective, accum_steps, reduce_dtype, warn_fp32_matmuls, sync_model_state,
+                     pin_grad_layout, _Axis(axis_name) if axis_name is not None else
+                     _Jit(mesh, data_axis))
 
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        return _step(config, state, batch)
-    return step
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """The step :func:`make_train_step` builds: ``step(state, batch) -> (state, metrics)``,
+    pure, for ``jax.jit`` or ``jax.pmap``. It holds what it was built with: its
+    :attr:`objective` and the options that say how the objective's gradients are taken,
+    reduced and applied."""
+
+    objective: Objective
+    """The loss and how it is called (see :class:`~jaxamp.Objective`)."""
+    accum_steps: int
+    """Micro-batches per step."""
+    reduce_dtype: Any
+    warn_fp32_matmuls: bool
+    sync_model_state: bool
+    pin_grad_layout: bool | None
+    distribution: _Distribution
+    """Where the step's gradients come from and how they are reduced: one device, the caller's
+    ``pmap``/``shard_map`` axis, or the devices of a sharded ``jit``."""
+
+    @property
+    def __name__(self) -> str:  # jax.jit and the audit name a function by it
+        return "train_step"
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        mp = _checked_optimizer_state(self, state)
+        placed = self.distribution.place(self, state, batch)
+        scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+        batch = state.policy.cast_to_compute(batch)
+        # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices.
+        loss, grads, new_model_state, aux, seen = placed.gradients(self, state, mp, scale,
+                                                                   batch, _step_rng(self, state))
+        # 2. The model state's hooked nodes (FP8 metadata) updated from what the step saw; an
+        #    applied step keeps them, a skipped one drops them with the rest of the model state.
+        if seen:
+            nodes = _model_state.find(state.model_state)
+            new_model_state = _model_state.replace(new_model_state,
+                                                   _model_state.update(nodes, seen))
+        # 3. The update.
+        new_state, metrics = placed.update(self, state, mp, grads, new_model_state, loss)
+        metrics = {"loss": loss, "loss_scale": scale, **metrics}
+        if self.objective.has_aux:
+            metrics["aux"] = aux
+        return new_state, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Where the gradients come from: the step's distribution
+# --------------------------------------------------------------------------------------------
+
+class _Distribution:
+    """One device: the gradients of the whole batch, updated in place."""
+
+    def place(self, step: TrainStep, state: TrainState, batch: Any) -> _Distribution:
+        """The distribution of this trace (a ``jit`` step finds its mesh on the arrays)."""
+        del step, state, batch
+        return self
+
+    def gradients(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
+                  scale, batch, rng):
+        """``(loss, reduced gradients of loss * scale, new model state, aux, seen)``."""
+        del mp
+        return _gradients(step, state.policy, state.params, scale, state.model_state, batch,
+                          rng)
+
+    def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
+               grads, new_model_state, loss):
+        return _update(step, mp is not None, state, grads, new_model_state, loss)
+
+
+_LOCAL = _Distribution()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axis(_Distribution):
+    """The caller's ``pmap``/``shard_map`` axis: each device's gradients, ``pmean``-ed."""
+
+    axis_name: str
+
+    def place(self, step, state, batch):
+        del step, state, batch
+        _check_axis_bound(self.axis_name)
+        return self
+
+    def gradients(self, step, state, mp, scale, batch, rng):
+        if rng is not None:
+            rng = jax.random.fold_in(rng, lax.axis_index(self.axis_name))
+        loss, grads, new_model_state, aux, seen = super().gradients(step, state, mp, scale,
+                                                                    batch, rng)
+        loss, grads, new_model_state = _reduce_across_devices(step, self.axis_name, loss, grads,
+                                                              new_model_state)
+        return loss, grads, new_model_state, aux, [lax.pmax(a, self.axis_name) for a in seen]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Jit(_Distribution):
+    """Under ``jax.jit``: the mesh and data axis are found on the arrays at trace time
+    (:mod:`jaxamp._data_parallel`); none is one device."""
+
+    mesh: Any
+    data_axis: Any
+
+    def place(self, step, state, batch):
+        del step
+        dp = _data_parallel.find(self.mesh, self.data_axis, state, batch,
+                                 warn_implicit=_has_half_params(state.policy, state.params))
+        return _LOCAL if dp is None else _Mesh(dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mesh(_Distribution):
+    """A data-parallel ``jit``: each device's shard of the batch under ``shard_map``."""
+
+    dp: _data_parallel.DataParallel
+
+    def gradients(self, step, state, mp, scale, batch, rng):
+        _data_parallel.check_batch(self.dp, batch, step.accum_steps)
+        return _sharded_gradients(step, self.dp, state, mp, scale, batch, rng)
+
+    def update(self, step, state, mp, grads, new_model_state, loss):
+        if not self.dp.explicit:
+            return super().update(step, state, mp, grads, new_model_state, loss)
+        return _update_on_explicit_mesh(step, self.dp, state, mp, grads, new_model_state, loss)
 
 
 # --------------------------------------------------------------------------------------------
 # The step, in pieces
 # --------------------------------------------------------------------------------------------
 
-def _step(config: _StepConfig, state: TrainState, batch: Any):
-    mp = _checked_optimizer_state(config, state)
-    dp = None if config.axis_name is not None else _data_parallel.find(
-        config.mesh, config.data_axis, state, batch,
-        warn_implicit=_has_half_params(state.policy, state.params))
-    scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
-    batch = state.policy.cast_to_compute(batch)
-    rng = _step_rng(config, state)
-    # 1. The scaled gradients: of each micro-batch, accumulated, and (data-parallel under jit)
-    #    reduced inside shard_map.
-    if dp is not None:
-        _data_parallel.check_batch(dp, batch, config.accum_steps)
-        loss, grads, new_model_state, aux, seen = _sharded_gradients(config, dp, state, mp,
-                                                                     scale, batch, rng)
-    else:
-        loss, grads, new_model_state, aux, seen = _gradients(
-            config, state.policy, state.params, scale, state.model_state, batch, rng)
-    # 2. The reduction over the caller's pmap/shard_map axis.
-    if config.axis_name is not None:
-        loss, grads, new_model_state = _reduce_across_devices(config, loss, grads,
-                                                              new_model_state)
-        seen = [lax.pmax(a, config.axis_name) for a in seen]
-    # 3. The model state's hooked nodes (FP8 metadata) updated from what the step saw; an
-    #    applied step keeps them, a skipped one drops them with the rest of the model state.
-    if seen:
-        nodes = _model_state.find(state.model_state)
-        new_model_state = _model_state.replace(new_model_state,
-                                               _model_state.update(nodes, seen))
-    # 4. The update.
-    if dp is not None and dp.explicit:
-        new_state, metrics = _update_on_explicit_mesh(config, dp, state, mp, grads,
-                                                      new_model_state, loss)
-    else:
-        new_state, metrics = _update(config, mp is not None, state, grads, new_model_state,
-                                     loss)
-    metrics = {"loss": loss, "loss_scale": scale, **metrics}
-    if config.has_aux:
-        metrics["aux"] = aux
-    return new_state, metrics
-
-
-def _update(config: _StepConfig, mixed: bool, state: TrainState, grads, new_model_state,
+def _update(step: TrainStep, mixed: bool, state: TrainState, grads, new_model_state,
             loss, cast_sharding: Any = None):
     """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`), skipped where a
     gradient or the loss is not finite; the new model state, kept only on an applied step."""
-    if mixed and _pins_layout(config.pin_grad_layout):
+    if mixed and _pins_layout(step.pin_grad_layout):
         grads = row_major_grads(grads)
     new_state, metrics = _apply_update(state, grads, loss, mixed, cast_sharding)
-    if config.has_model_state:
+    if step.objective.has_model_state:
         model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
         new_state = new_state.replace(model_state=model_state)
     return new_state, metrics
 
 
-def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParallel,
+def _update_on_explicit_mesh(step: TrainStep, dp: _data_parallel.DataParallel,
                              state: TrainState, mp: MixedPrecisionState | None, grads,
                              new_model_state, loss):
     """:func:`_update` where the arrays' types carry their shardings. The optimizer's own code
@@ -397,7 +458,7 @@ def _update_on_explicit_mesh(config: _StepConfig, dp: _data_parallel.DataParalle
     # Declared: auto_axes is unannotated, and its inferred type includes the decorator
     # factory that ``auto_axes(out_sharding=...)`` (no function) returns.
     update: Callable[..., Any] = jax.sharding.auto_axes(
-        functools.partial(_update, config, mp is not None, cast_sharding=cast_sharding),
+        functools.partial(_update, step, mp is not None, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
     return update(state, grads, new_model_state, loss)
 
@@ -406,16 +467,16 @@ def _has_half_params(policy: Policy, params: Any) -> bool:
     return any(d is not None and jnp.dtype(d).itemsize < 4 for d in policy.working_dtypes(params))
 
 
-def _gradients(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
+def _gradients(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
     """``(loss, gradients of loss * scale, new model state, aux, seen)`` of one device's batch,
     ``seen`` what each hooked node of the model state saw (an :class:`~jaxamp.fp8.Fp8State`'s
     amax)."""
-    if config.accum_steps == 1:
-        return _micro_batch(config, policy, params, scale, model_state, batch, rng)
-    return _accumulate(config, policy, params, scale, model_state, batch, rng)
+    if step.accum_steps == 1:
+        return _micro_batch(step, policy, params, scale, model_state, batch, rng)
+    return _accumulate(step, policy, params, scale, model_state, batch, rng)
 
 
-def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
+def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
                        state: TrainState, mp: MixedPrecisionState | None, scale, batch, rng):
     """:func:`_gradients` of each device's shard of the batch under ``shard_map`` over the data
     axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
@@ -425,21 +486,21 @@ def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
     storage = state.params if mp is None else storage_of(mp, state.params)
     param_specs = jax.tree.map(dp.spec_of, state.params)
     grad_specs = jax.tree.map(dp.spec_of, storage)
+    has_model_state = step.objective.has_model_state
 
     def local(params, model_state, batch, scale, rng):
         params = _data_parallel.to_varying(_data_parallel.gather(dp, params, param_specs),
                                            dp.names)
-        if config.has_model_state:  # a scan over micro-batches carries it with the batch's type
+        if has_model_state:  # a scan over micro-batches carries it with the batch's type
             model_state = _data_parallel.to_varying(model_state, dp.names)
         if rng is not None:
             rng = jax.random.fold_in(rng, lax.axis_index(dp.names))
-        loss, grads, new_model_state, aux, seen = _gradients(config, state.policy, params, scale,
+        loss, grads, new_model_state, aux, seen = _gradients(step, state.policy, params, scale,
                                                              model_state, batch, rng)
-        grads = _data_parallel.reduce(dp, grads, grad_specs, config.reduce_dtype)
+        grads = _data_parallel.reduce(dp, grads, grad_specs, step.reduce_dtype)
         seen = [lax.pmax(a, dp.names) for a in seen]
-        new_model_state = (_data_parallel.sync(dp, new_model_state) if config.has_model_state
-                           else None)
-        aux = _data_parallel.stack(dp, aux, stacked=config.accum_steps > 1)
+        new_model_state = _data_parallel.sync(dp, new_model_state) if has_model_state else None
+        aux = _data_parallel.stack(dp, aux, stacked=step.accum_steps > 1)
         return lax.pmean(loss, dp.names), grads, new_model_state, aux, seen
 
     replicated, split = PartitionSpec(), PartitionSpec(_data_parallel.spec_entry(dp.names))
@@ -451,70 +512,45 @@ def _sharded_gradients(config: _StepConfig, dp: _data_parallel.DataParallel,
       scale, rng)
 
 
-def _checked_optimizer_state(config: _StepConfig, state: TrainState):
+def _checked_optimizer_state(step: TrainStep, state: TrainState):
+    del step
     if not isinstance(state, TrainState):
         raise TypeError(f"step expects a jaxamp.TrainState, got {type(state).__name__}; "
                         "build it with jaxamp.TrainState.create(params=..., tx=...)")
-    if config.axis_name is not None:
-        _check_axis_bound(config.axis_name)
     mp = maybe_find_state(state.opt_state)
     _resolve_policy(state.policy, mp)  # the checks of TrainState.create, on this state
     return mp
 
 
-def _step_rng(config: _StepConfig, state: TrainState):
-    if not config.has_rng:
+def _step_rng(step: TrainStep, state: TrainState):
+    """The state's key folded with the step (the distribution folds in the device)."""
+    if not step.objective.has_rng:
         return None
     if state.rng is None:
         raise ValueError("has_rng=True but state.rng is None; pass rng=jax.random.key(0) "
                          "to TrainState.create")
-    rng = jax.random.fold_in(state.rng, state.step)
-    if config.axis_name is not None:
-        rng = jax.random.fold_in(rng, lax.axis_index(config.axis_name))
-    return rng
+    return jax.random.fold_in(state.rng, state.step)
 
 
-def _micro_batch(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
-    """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch.
-
-    Each hooked node of the model state (:mod:`jaxamp._model_state`: an
-    :class:`~jaxamp.fp8.Fp8State`) is handed to ``loss_fn`` as its hook makes it for this loss
-    scale, and differentiated: its cotangent tells what it saw (``seen``: an FP8 matmul's amax,
-    the gradient's unscaled). The new model state holds the nodes as they came in; the step
-    updates them from ``seen``."""
-    loss_fn = _autocast(config.loss_fn, policy) if config.autocast else config.loss_fn
-    nodes = _model_state.find(model_state) if config.has_model_state else []
-
-    def scaled(params, handed):
-        kwargs = {}
-        if config.has_model_state:
-            kwargs["model_state"] = _model_state.replace(model_state, handed)
-        if config.has_rng:
-            kwargs["rng"] = rng
-        with _model_state.recording(tracked=bool(nodes)):
-            out = loss_fn(params, batch, **kwargs)
-        loss, new_model_state, aux = split_outputs(out, config.has_aux, config.has_model_state)
-        if nodes:
-            new_model_state = _model_state.replace(new_model_state, nodes,
-                                                   what="the model state loss_fn returned")
-        loss = check_loss(loss)
-        return loss * scale, (loss, new_model_state, aux)
-
-    handed = _model_state.hand(nodes, scale)
+def _micro_batch(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
+    """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch (see
+    :class:`~jaxamp._objective.Scaled`: the FP8 metadata handed, differentiated, and what it
+    saw)."""
+    scaled = step.objective.scaled(policy, batch, scale, model_state, rng)
     warn = None
-    if config.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
+    if step.warn_fp32_matmuls and policy.compute_dtype != jnp.float32:
         warn = functools.partial(_warn_fp32_matmuls, policy=policy)
     # Traced once and run: the jaxpr tells the order in which the backward pass makes each
     # gradient, and the gradients are handed on in that order (see in_made_order); the
     # fp32-matmul warning reads the same jaxpr.
     ((_, (loss, new_model_state, aux)), (grads, cotangents)), made = run_traced(
-        jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, handed, inspect=warn)
+        jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, scaled.handed,
+        inspect=warn)
     grads = in_made_order(grads, made[1][0])
-    seen = _model_state.seen(nodes, cotangents, scale)
-    return loss, grads, new_model_state, aux, seen
+    return loss, grads, new_model_state, aux, scaled.seen(cotangents)
 
 
-def _split_microbatches(batch: Any, k: int) -> Any:
+def split_micro_batches(batch: Any, k: int) -> Any:
     def split(x):
         if not hasattr(x, "shape") or x.ndim == 0:
             raise ValueError(f"accum_steps={k} needs every batch leaf to have a leading batch "
@@ -527,39 +563,38 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def _accumulate(config: _StepConfig, policy: Policy, params, scale, model_state, batch, rng):
+def _accumulate(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
     """The mean of the micro-batches' gradients, summed in fp32 under ``lax.scan``, all with
     the same scale; the model state threads through the micro-batches."""
-    k = config.accum_steps
+    k, has_model_state = step.accum_steps, step.objective.has_model_state
 
     def body(carry, xs):
         acc, seen, model_state = carry
         micro_batch, index = xs
         micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-        loss, grads, new_ms, aux, micro_seen = _micro_batch(config, policy, params, scale,
+        loss, grads, new_ms, aux, micro_seen = _micro_batch(step, policy, params, scale,
                                                             model_state, micro_batch, micro_rng)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         seen = [jnp.maximum(a, b) for a, b in zip(seen, micro_seen, strict=True)]  # never a sum
-        return (acc, seen, new_ms if config.has_model_state else model_state), (loss, aux)
+        return (acc, seen, new_ms if has_model_state else model_state), (loss, aux)
 
     # zeros_like keeps a param's type: varying over the data axis inside shard_map.
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     nothing_seen = _model_state.nothing_seen(
-        _model_state.find(model_state) if config.has_model_state else [])
+        _model_state.find(model_state) if has_model_state else [])
     (acc, seen, new_model_state), (losses, aux) = lax.scan(
-        body, (zeros, nothing_seen, model_state), (_split_microbatches(batch, k), jnp.arange(k)))
+        body, (zeros, nothing_seen, model_state), (split_micro_batches(batch, k), jnp.arange(k)))
     inv_k = jnp.float32(1.0 / k)
     return (jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux,
             seen)
 
 
-def _reduce_across_devices(config: _StepConfig, loss, grads, new_model_state):
+def _reduce_across_devices(step: TrainStep, axis: str, loss, grads, new_model_state):
     """``pmean`` over ``axis_name``: the gradients in ``reduce_dtype``, the loss, and the
     floating model state when ``sync_model_state``."""
-    axis = config.axis_name
-    grads = jax.tree.map(lambda g: lax.pmean(g.astype(config.reduce_dtype), axis), grads)
+    grads = jax.tree.map(lambda g: lax.pmean(g.astype(step.reduce_dtype), axis), grads)
     loss = lax.pmean(loss, axis)
-    if config.has_model_state and config.sync_model_state:
+    if step.objective.has_model_state and step.sync_model_state:
         new_model_state = jax.tree.map(
             lambda x: lax.pmean(x, axis) if is_inexact_array(jnp.asarray(x)) else x,
             new_model_state)

@@ -34,8 +34,6 @@ holds an inf or a NaN returns NaN, so an fp16 overflow still skips the step.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -43,6 +41,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -689,7 +688,7 @@ def fp8_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
 # Delayed scaling
 # --------------------------------------------------------------------------------------------
 
-class Fp8State(State):
+class Fp8State(State, _model_state.Node):
     """The FP8 metadata of one delayed-scaling matmul.
 
     Rows 0, 1 and 2 are the lhs (the input), the rhs (the kernel) and the incoming gradient.
@@ -725,6 +724,29 @@ class Fp8State(State):
             raise TypeError(f"Fp8State needs a DelayedScaling recipe, got {recipe!r}")
         return cls(jnp.zeros((len(_ROWS), recipe.history_length), _F32),
                    jnp.ones((len(_ROWS),), _F32), recipe)
+
+    # The train step differentiates and updates the Fp8States in its model state through
+    # these (jaxamp._model_state.Node; the step names nothing of FP8). Each looks up the
+    # module's function at its call: a test may patch one.
+    untracked: ClassVar[str] = (
+        "the loss ran delayed-scaling FP8 matmuls (jaxamp.fp8.DotGeneral, Linear, Einsum) whose "
+        "Fp8State is not in the train state's model state, so their scales would never be "
+        "updated. Split it out and keep it there: graphdef, params, fp8_meta = nnx.split(model, "
+        "nnx.Param, jaxamp.fp8.Fp8Meta); TrainState.create(..., model_state=fp8_meta); "
+        "make_train_step(loss_fn, has_model_state=True), with loss_fn returning "
+        "nnx.state(model, jaxamp.fp8.Fp8Meta)")
+
+    def hand(self, scale: jax.Array) -> Fp8State:
+        return with_loss_scale(self, scale)
+
+    def seen(self, scale: jax.Array) -> jax.Array:
+        return seen_amax(self, scale)
+
+    def update(self, seen: jax.Array) -> Fp8State:
+        return update_fp8_state(self, seen)
+
+    def nothing_seen(self) -> jax.Array:
+        return jnp.zeros_like(self.scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -785,36 +807,9 @@ def delayed_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
         raise ValueError(f"state.scale has shape {state.scale.shape}; a stacked Fp8State (from "
                          "nnx.vmap or nnx.scan) must be sliced to one layer's before the call")
     lhs, rhs = _check_operands(lhs, rhs, "delayed FP8 dot_general")
-    calls = _DELAYED_CALLS.get()
-    if calls is not None:
-        calls.append(state)
+    _model_state.ran(state)
     return _delayed(lhs, rhs, state, _dims(dimension_numbers),
                     _output_dtype(lhs, rhs, preferred_element_type))
-
-
-# Trace-time only: the delayed-scaling matmuls that ran while a train step traced its loss, so
-# that a model whose FP8 metadata is not in the step's model state is an error, not a silent
-# run with scales that never change.
-_DELAYED_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxamp_fp8_delayed_calls", default=None)
-UNTRACKED_MESSAGE = (
-    "the loss ran delayed-scaling FP8 matmuls (jaxamp.fp8.DotGeneral, Linear, Einsum) whose "
-    "Fp8State is not in the train state's model state, so their scales would never be "
-    "updated. Split it out and keep it there: graphdef, params, fp8_meta = nnx.split(model, "
-    "nnx.Param, jaxamp.fp8.Fp8Meta); TrainState.create(..., model_state=fp8_meta); "
-    "make_train_step(loss_fn, has_model_state=True), with loss_fn returning "
-    "nnx.state(model, jaxamp.fp8.Fp8Meta)")
-
-
-@contextlib.contextmanager
-def recording_delayed_calls():
-    """Collects (at trace time) the :class:`Fp8State` of every delayed matmul run inside."""
-    calls: list = []
-    token = _DELAYED_CALLS.set(calls)
-    try:
-        yield calls
-    finally:
-        _DELAYED_CALLS.reset(token)
 
 
 def update_fp8_state(state: Fp8State, seen: ArrayLike) -> Fp8State:
@@ -841,10 +836,6 @@ def update_fp8_state(state: Fp8State, seen: ArrayLike) -> Fp8State:
                     jnp.where(ran[..., None], scale, state.scale), recipe)
 
 
-def is_fp8_state(x: Any) -> bool:
-    return isinstance(x, Fp8State)
-
-
 def find_fp8_states(tree: Any) -> list[Fp8State]:
     """Every :class:`Fp8State` in ``tree``, in tree order.
 
@@ -852,16 +843,13 @@ def find_fp8_states(tree: Any) -> list[Fp8State]:
     >>> [s.amax_history.shape for s in find_fp8_states(states)]
     [(3, 2)]
     """
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_fp8_state) if is_fp8_state(x)]
+    return _model_state.find(tree, Fp8State)
 
 
 def replace_fp8_states(tree: Any, states: Sequence[Fp8State]) -> Any:
-    """``tree`` with its :class:`Fp8State` nodes replaced, in tree order, by ``states``."""
-    it = iter(states)
-    out = jax.tree.map(lambda x: next(it) if is_fp8_state(x) else x, tree, is_leaf=is_fp8_state)
-    if next(it, None) is not None:
-        raise ValueError("more Fp8States given than the tree holds")
-    return out
+    """``tree`` with its :class:`Fp8State` nodes replaced, in tree order, by ``states`` (as
+    many as it holds)."""
+    return _model_state.replace(tree, list(states), what="the tree", kind=Fp8State)
 
 
 def with_loss_scale(state: Fp8State, loss_scale: ArrayLike) -> Fp8State:
@@ -876,19 +864,6 @@ def seen_amax(cotangent: Fp8State, loss_scale: ArrayLike) -> jax.Array:
     gradient's in unscaled units."""
     s = jnp.asarray(loss_scale, _F32)
     return cotangent.scale.at[..., 2].divide(s)
-
-
-# The train step differentiates and updates the Fp8States in its model state through this hook
-# (it names nothing of FP8 itself). The functions are looked up at each call: a test may patch
-# one of them.
-_model_state.register(_model_state.Hook(
-    is_node=lambda x: is_fp8_state(x),
-    hand=lambda state, loss_scale: with_loss_scale(state, loss_scale),
-    seen=lambda cotangent, loss_scale: seen_amax(cotangent, loss_scale),
-    update=lambda state, seen: update_fp8_state(state, seen),
-    nothing_seen=lambda state: jnp.zeros_like(state.scale),
-    recording=lambda: recording_delayed_calls(),
-    untracked=UNTRACKED_MESSAGE))
 
 
 # The NNX layers load flax.nnx, which ``import jaxamp`` and ``autocast`` do not need: they live

@@ -332,6 +332,43 @@ def test_explain_overflow_agrees_with_the_step():
         jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
 
 
+def test_explain_overflow_takes_the_step_and_runs_what_it_trains():
+    """The step holds its objective: ``explain_overflow(state, batch, step)`` runs autocast as
+    the step did, for the step and for ``jax.jit`` of it; flags beside a step are an error."""
+    params = {"embed": jnp.full((4, 64), 75.0, F32), "proj": jnp.full((64, 8), 2e3, F32)}
+    state = fp16_state(params)
+    step = jaxamp.make_train_step(jaxamp.Objective(norm_then_overflow_loss, autocast=True))
+    assert step.objective == jaxamp.Objective(norm_then_overflow_loss, autocast=True)
+    for traced in (step, jax.jit(step)):
+        first = jaxamp.explain_overflow(state, X, traced).first_forward
+        assert (first.layer, first.primitive, first.dtype) == ("proj", "dot_general", "float16")
+    with pytest.raises(TypeError, match="the step already holds its objective"):
+        jaxamp.explain_overflow(state, X, step, autocast=True)
+    with pytest.raises(TypeError, match="has_aux=True is the objective's"):
+        jaxamp.make_train_step(step.objective, has_aux=True)
+
+
+def test_explain_overflow_of_an_accumulating_step_names_the_micro_batch():
+    """With ``accum_steps`` the step takes each micro-batch's gradients in turn: the diagnosis
+    evaluates them in turn too, and names the first that overflowed."""
+    state = make_state()
+    step = jaxamp.make_train_step(poisoned_loss, accum_steps=2)
+    bad = poisoned(make_batch(), 13)  # in the second of two micro-batches of 8
+    _, m = jax.jit(step)(state, bad)
+    assert not bool(m["grads_finite"])
+    report = jaxamp.explain_overflow(state, bad, step)
+    assert report.micro_batch == 1
+    assert report.first_forward is not None
+    assert report.nonfinite_grads == [
+        jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
+    assert "first in micro-batch 1" in str(report)
+    # A finite batch: no micro-batch named, and the step's loss (the mean of the micro-batches').
+    _, m = jax.jit(step)(state, make_batch())
+    report = jaxamp.explain_overflow(state, make_batch(), step)
+    assert report.events == [] and report.micro_batch is None
+    np.testing.assert_allclose(report.loss, float(m["loss"]), rtol=1e-6)
+
+
 def test_forward_overflow_inside_remat_is_located():
     def loss_fn(params, batch):
         with jax.named_scope("layer0"):

@@ -1,0 +1,139 @@
+"""The objective: the user's loss and how to call it, one description for the step and every
+diagnosis of it.
+
+:func:`jaxamp.make_train_step` trains an :class:`Objective`, and
+:func:`jaxamp.explain_overflow` re-runs the one a step holds (``step.objective``): the calling
+convention (``model_state=``, ``rng=``, the outputs), autocast under the state's policy and the
+FP8 metadata that the step hands the loss are written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxamp import _model_state
+from jaxamp._autocast import autocast as _autocast
+from jaxamp._loss import check_loss
+from jaxamp._loss import split_outputs
+from jaxamp._policy import Policy
+
+__all__ = ["Objective", "Scaled", "objective_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The loss a train step minimises and how it is called.
+
+    ``loss_fn`` is called as ``loss_fn(params, batch)``, plus ``model_state=`` when
+    ``has_model_state`` and ``rng=`` when ``has_rng``. It returns the loss, or a tuple:
+    ``(loss, aux)`` with ``has_aux``, ``(loss, new_model_state)`` with ``has_model_state``, and
+    ``(loss, new_model_state, aux)`` with both. The loss must be a floating scalar; it is
+    reduced in fp32 whatever the compute dtype. With ``autocast``, ``loss_fn`` runs under
+    :func:`jaxamp.autocast` with the state's policy (the ``mixed_fp8`` policy's FP8 matmuls
+    included).
+
+    Build it once and hand it to :func:`jaxamp.make_train_step`; the step keeps it as
+    ``step.objective``, and :func:`jaxamp.explain_overflow` takes the step, so a diagnosis
+    runs the program that trained.
+
+    >>> import jax.numpy as jnp, jaxamp
+    >>> objective = jaxamp.Objective(lambda p, b: jnp.mean((b @ p) ** 2), autocast=True)
+    >>> step = jaxamp.make_train_step(objective)
+    >>> step.objective is objective
+    True
+    """
+
+    loss_fn: Callable[..., Any]
+    """The loss, in terms of the working params and a (cast) batch."""
+    has_aux: bool = False
+    """``loss_fn`` also returns auxiliary outputs (the step's ``metrics["aux"]``)."""
+    has_model_state: bool = False
+    """``loss_fn`` takes ``model_state=`` and returns the new one."""
+    has_rng: bool = False
+    """``loss_fn`` takes ``rng=``."""
+    autocast: bool = False
+    """Run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(self.loss_fn).__name__} "
+                            f"{self.loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
+        for name in ("has_aux", "has_model_state", "has_rng", "autocast"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    def under(self, policy: Policy) -> Callable[..., Any]:
+        """``loss_fn`` as the step calls it under ``policy``: wrapped by
+        :func:`jaxamp.autocast` with ``autocast``."""
+        return _autocast(self.loss_fn, policy) if self.autocast else self.loss_fn
+
+    def scaled(self, policy: Policy, batch: Any, scale: jax.Array, model_state: Any = None,
+               rng: Any = None) -> Scaled:
+        """The scaled loss of one (cast) micro-batch, to differentiate (see :class:`Scaled`)."""
+        return Scaled(self, self.under(policy), batch, scale,
+                      model_state if self.has_model_state else None, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """``loss * scale`` of one micro-batch as a function of the params and the handed
+    model-state nodes: ``fn(params, handed) -> (loss * scale, (loss, new_model_state, aux))``.
+
+    Each hooked node of the model state (:mod:`jaxamp._model_state`: an
+    :class:`~jaxamp.fp8.Fp8State`) is handed to ``loss_fn`` as its hook makes it for this loss
+    scale (:attr:`handed`), and is differentiated: its cotangent tells what it saw
+    (:meth:`seen`). The new model state holds the nodes as they came in; the step updates them
+    from what they saw."""
+
+    objective: Objective
+    loss_fn: Callable[..., Any]
+    batch: Any
+    scale: jax.Array
+    model_state: Any
+    rng: Any
+
+    @property
+    def nodes(self) -> list:
+        """The hooked nodes of the model state, in tree order."""
+        return _model_state.find(self.model_state) if self.objective.has_model_state else []
+
+    @property
+    def handed(self) -> list:
+        """The nodes as ``loss_fn`` receives them under this loss scale."""
+        return _model_state.hand(self.nodes, self.scale)
+
+    def seen(self, cotangents: list) -> list:
+        """What each node saw, from the cotangents of :attr:`handed`."""
+        return _model_state.seen(self.nodes, cotangents, self.scale)
+
+    def __call__(self, params: Any, handed: list) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+        objective, nodes = self.objective, self.nodes
+        kwargs: dict[str, Any] = {}
+        if objective.has_model_state:
+            kwargs["model_state"] = _model_state.replace(self.model_state, handed)
+        if objective.has_rng:
+            kwargs["rng"] = self.rng
+        with _model_state.recording(tracked=bool(nodes)):
+            out = self.loss_fn(params, self.batch, **kwargs)
+        loss, new_model_state, aux = split_outputs(out, objective.has_aux,
+                                                   objective.has_model_state)
+        if nodes:
+            new_model_state = _model_state.replace(new_model_state, nodes,
+                                                   what="the model state loss_fn returned")
+        loss = check_loss(loss)
+        return loss * self.scale, (loss, new_model_state, aux)
+
+
+def objective_of(loss_fn: Any, flags: dict[str, bool]) -> Objective:
+    """``loss_fn`` with the flags given, or an :class:`Objective` (with no flags)."""
+    if isinstance(loss_fn, Objective):
+        given = {k: v for k, v in flags.items() if v}
+        if given:
+            raise TypeError(f"{', '.join(f'{k}=True' for k in given)} is the objective's; "
+                            "an Objective already says how loss_fn is called: build it with "
+                            f"jaxamp.Objective(loss_fn, {', '.join(f'{k}=True' for k in given)})")
+        return loss_fn
+    return Objective(loss_fn, **flags)
