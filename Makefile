@@ -106,7 +106,7 @@ test-newest: $(STAMP_NEWEST)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
 		$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		--durations=10 -p no:cacheprovider $(TEST_SELECT) jaxamp $(UNIT_TESTS) \
-		--ignore=jaxamp/_gpu_memory.py
+		--ignore=jaxamp/memory.py
 
 # XLA:GPU's compiler on this machine, no GPU: jax's CUDA 13 plugin (it installs on Linux without a
 # GPU or a driver) at the versions of the H200 run (Python 3.12, jax 0.11.2, flax 0.12.10), in
@@ -115,7 +115,7 @@ test-newest: $(STAMP_NEWEST)
 # lanes have no XLA:GPU, and leave these files out).
 VENV_GPU := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-GPU_MEMORY_TESTS := jaxamp/_gpu_memory.py tests/gpu_memory
+GPU_MEMORY_TESTS := jaxamp/memory.py tests/gpu_memory
 GPU_MEMORY_OUT ?= runs/gpu-memory
 
 $(STAMP_GPU): pyproject.toml

@@ -19,7 +19,7 @@ Each round builds the steps anew and times ``jax.jit(step).trace``, ``.lower()``
 ``.compile()``, the three in a rotating order; the ratios are taken per round and their median
 reported, since times on a 2-core machine swing from run to run. The compiler is XLA:CPU, and,
 where jax's CUDA plugin is installed (``make install-gpu-memory`` builds ``.venv-gpu``), also
-XLA:GPU compiling for an H200 with no GPU (``jaxamp.gpu_mesh``: abstract arguments, nothing
+XLA:GPU compiling for an H200 with no GPU (``jaxamp.memory.gpu_mesh``: abstract arguments, nothing
 runs, nothing autotuned), ``--gpu-rounds`` rounds of it. XLA:CPU has no bf16 arithmetic: it
 widens every bf16 op to fp32 and back, which makes any bf16 program slower to compile than
 the fp32 one (the ``bf16 layers`` row shows by how much).
@@ -60,7 +60,7 @@ def _cases(tiny: bool) -> dict[str, dict]:
 
 def _gpu_mesh() -> jax.sharding.Mesh | None:
     try:
-        return jaxamp.gpu_mesh("h200")
+        return jaxamp.memory.gpu_mesh("h200")
     except Exception:  # noqa: BLE001 - no CUDA plugin: XLA:CPU alone
         return None
 

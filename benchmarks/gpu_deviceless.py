@@ -8,9 +8,9 @@ The same rows, built by the same code as the timed suite (``benchmarks/gpu.py``)
 by XLA:GPU for the named GPU on this machine, with no GPU: the params and batches stay abstract
 and nothing runs. Each row records the compiled step's memory (``memory_analysis()``:
 arguments + outputs - donated + temporaries) and its parts, the temporary buffer split by dtype
-and by shape (``jaxamp.gpu_memory``'s reading of XLA's buffer assignment), the compile time and
-the matmul FLOPs of the trace. ZeRO rows are compiled for ``--zero-devices`` GPUs (8: one host)
-and report one GPU's share. PyTorch rows are left out.
+and by shape (``jaxamp.memory.gpu_memory``'s reading of XLA's buffer assignment), the compile
+time and the matmul FLOPs of the trace. ZeRO rows are compiled for ``--zero-devices`` GPUs (8: one
+host) and report one GPU's share. PyTorch rows are left out.
 
 Rows go to ``OUT/gpu_deviceless_<gpu>.jsonl`` as they finish, and ``OUT/gpu_deviceless_<gpu>.md``
 is the table, with each row against its model's fp32_default row and, for the rows the H200
@@ -32,7 +32,7 @@ import jax
 
 from benchmarks import gpu
 from benchmarks import harness
-from jaxamp import _gpu_memory
+from jaxamp import memory
 
 H200_RUN = os.path.join(os.path.dirname(__file__), "results", "gpu-h200-2026-12-04")
 GB = 1e9
@@ -56,14 +56,14 @@ def _placed(built: gpu.Built, prec: gpu.Precision, target: str,
     """The state and batch laid out on compile-only GPUs: one, or ``zero_devices`` for a ZeRO
     row; the ``jax.jit`` keywords, and the GPU count."""
     if prec.zero:
-        mesh = _gpu_memory.gpu_mesh(target, zero_devices)
+        mesh = memory.gpu_mesh(target, zero_devices)
         placed, jit_kwargs = gpu._on_mesh(built, prec.zero, list(mesh.devices.flat))
         return placed, jit_kwargs, len(jax.tree.leaves(placed.batch)[0].sharding.device_set)
-    mesh = _gpu_memory.gpu_mesh(target)
+    mesh = memory.gpu_mesh(target)
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def abstract(tree):
-        return jax.tree.map(lambda x: _gpu_memory._abstract(x, one), tree)
+        return jax.tree.map(lambda x: memory._abstract(x, one), tree)
     return dataclasses.replace(built, state=abstract(built.state),
                                batch=abstract(built.batch)), {}, 1
 
@@ -80,7 +80,7 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
         t0 = time.perf_counter()
         lowered = jax.jit(built.step, donate_argnums=0, **jit_kwargs).lower(built.state,
                                                                              built.batch)
-        report, compiled = _gpu_memory.compile_report(lowered, ctx.device_kind, devices,
+        report, compiled = memory.compile_report(lowered, ctx.device_kind, devices,
                                                       (built.state, built.batch))
         compile_s = time.perf_counter() - t0
     return {"devices": devices, "compile_s": compile_s, "matmul_precision": effective,
@@ -105,12 +105,12 @@ def _gemm_counts(gemms: dict[str, int]) -> dict[str, int]:
 
 def run(args) -> list[dict]:
     target = args.deviceless
-    name, _ = _gpu_memory._target_text(target)
+    name, _ = memory._target_text(target)
     os.makedirs(args.out, exist_ok=True)
     rows_path = os.path.join(args.out, f"gpu_deviceless_{target}.jsonl")
     if args.render_only:
         return render(args.out, target)
-    _gpu_memory.gpu_mesh(target)  # fails early, with the install's instructions
+    memory.gpu_mesh(target)  # fails early, with the install's instructions
     plan = [(m, p) for m, p in gpu._plan(args) if gpu.PRECISIONS[p].kind != "torch"]
     info = {"target": name, **gpu.versions(),
             "cuda_plugin": gpu._version("jax-cuda13-plugin") or gpu._version(

@@ -15,7 +15,7 @@ under ``mixed_bfloat16``:
   to keep; autocast's on the bf16 working params and batch, as the step runs it.
 - **GPU**: the whole step (adamw, the state donated) compiled by XLA:GPU for an H200 on this
   machine, ``memory_analysis()``'s arguments + outputs - aliased + temporaries
-  (``jaxamp.gpu_memory``), and its temporaries alone (the activations kept for the backward
+  (``jaxamp.memory.gpu_memory``), and its temporaries alone (the activations kept for the backward
   pass, the gradients, XLA's scratch; the state is the arguments). Left empty where jax's
   CUDA plugin is not installed (``make install-gpu-memory`` builds ``.venv-gpu``, which has
   it).
@@ -94,7 +94,7 @@ def make_batch(cfg: dict) -> dict:
 
 def _gpu_available() -> bool:
     try:
-        jaxamp.gpu_mesh("h200")
+        jaxamp.memory.gpu_mesh("h200")
     except Exception:  # noqa: BLE001 - no CUDA plugin: the GPU column stays empty
         return False
     return True
@@ -106,7 +106,7 @@ def _step_gpu_bytes(loss, params, batch, policy: str) -> tuple[int, int]:
     tx = jaxamp.mixed_precision(optax.adamw(1e-3), policy)
     state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
     step = jaxamp.make_train_step(loss, autocast=policy != "float32", warn_fp32_matmuls=False)
-    report = jaxamp.gpu_memory(step, state, batch, donate_argnums=0)
+    report = jaxamp.memory.gpu_memory(step, state, batch, donate_argnums=0)
     return report.total_bytes, report.temp_bytes
 
 

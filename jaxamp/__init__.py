@@ -14,8 +14,8 @@ The core is re-exported here, one private module per concept:
 * ``_train_step``: :class:`TrainState` and :func:`make_train_step`;
 * ``_autocast``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``_audit`` and ``_overflow``: the precision audit and the overflow diagnosis;
-* ``_gpu_memory``: :func:`gpu_memory`, the memory a step needs on a GPU, compiled by XLA:GPU
-  on a machine without one.
+* ``_objective``: :class:`Objective`, the loss and how it is called, which the step and its
+  diagnosis share.
 
 The rest lives in public subpackages:
 
@@ -27,14 +27,19 @@ The rest lives in public subpackages:
 * ``jaxamp.ops``: fp32 norms, softmaxes, GELU and the loss that save half-precision tensors for
   the backward pass, for hand-built models;
 * ``jaxamp.rounding``: stochastic rounding and the Kahan split of the ``"kahan"`` master;
-* ``jaxamp.gradients``: one pass over the gradients (finite check, norm, the first bad leaf).
+* ``jaxamp.gradients``: one pass over the gradients (finite check, norm, the first bad leaf);
+* ``jaxamp.memory``: the memory planner, :func:`jaxamp.memory.gpu_memory`: the memory a step
+  needs on a GPU, compiled by XLA:GPU on a machine without one.
 
-Names that moved off the top level keep a deprecated alias for one release (``_deprecated``).
+Names that moved off the top level keep a deprecated alias for one release (``_deprecated``), and
+so do the old module paths (``jaxamp.policy`` and the like: a file each, that warns and hands on
+the private module).
 """
 
 from jaxamp import _deprecated
 from jaxamp import fp8
 from jaxamp import gradients
+from jaxamp import memory
 from jaxamp import ops
 from jaxamp import parallel
 from jaxamp import rounding
@@ -43,10 +48,6 @@ from jaxamp._audit import audit
 from jaxamp._audit import audit_grad
 from jaxamp._autocast import autocast
 from jaxamp._autocast import full_precision
-from jaxamp._gpu_memory import GPU_TARGETS
-from jaxamp._gpu_memory import GpuMemoryReport
-from jaxamp._gpu_memory import gpu_memory
-from jaxamp._gpu_memory import gpu_mesh
 from jaxamp._loss_scale import DynamicLossScale
 from jaxamp._loss_scale import LossScale
 from jaxamp._loss_scale import NoOpLossScale
@@ -72,15 +73,12 @@ from jaxamp._policy import get_policy
 from jaxamp._policy import resolve_auto
 from jaxamp._train_step import TrainState
 from jaxamp._train_step import make_train_step
-from jaxamp.gradients import nonfinite_leaf_path
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AuditReport",
     "DynamicLossScale",
-    "GPU_TARGETS",
-    "GpuMemoryReport",
     "LossScale",
     "MASTERS",
     "MixedPrecisionState",
@@ -102,13 +100,11 @@ __all__ = (
     "get_loss_scale",
     "get_master_params",
     "get_policy",
-    "gpu_memory",
-    "gpu_mesh",
     "gradients",
     "make_train_step",
+    "memory",
     "mixed_precision",
     "next_working_params",
-    "nonfinite_leaf_path",
     "ops",
     "parallel",
     "policy_of",
@@ -120,4 +116,3 @@ __all__ = (
 )
 
 __getattr__ = _deprecated.module_getattr
-_deprecated.install()

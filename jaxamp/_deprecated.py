@@ -8,15 +8,11 @@ the private ``jaxamp._master_weights``, and so on: each old spelling still works
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import sys
 import warnings
-from types import ModuleType
 from typing import Any
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "install", "module_getattr"]
+__all__ = ["MOVED_MODULES", "MOVED_NAMES", "alias", "module_getattr"]
 
 MOVED_NAMES = {
     **{name: "jaxamp.parallel" for name in (
@@ -24,7 +20,9 @@ MOVED_NAMES = {
         "state_sharding", "unreplicate", "zero_spec")},
     **{name: "jaxamp.rounding" for name in ("kahan_join", "kahan_split", "stochastic_round")},
     **{name: "jaxamp.gradients" for name in (
-        "GradStats", "all_finite", "grad_stats", "tree_path_str")},
+        "GradStats", "all_finite", "grad_stats", "nonfinite_leaf_path", "tree_path_str")},
+    **{name: "jaxamp.memory" for name in (
+        "GPU_TARGETS", "GpuMemoryReport", "gpu_memory", "gpu_mesh")},
 }
 """Top-level name -> the public module it now lives in."""
 
@@ -37,7 +35,8 @@ MOVED_MODULES = {
     "jaxamp.auditing": "jaxamp._audit",
     "jaxamp.overflow": "jaxamp._overflow",
 }
-"""Old module -> the private module it became (its names are exported by ``jaxamp``)."""
+"""Old module -> the private module it became (its names are exported by ``jaxamp``); each old
+path is a file that calls :func:`alias`."""
 
 
 def _warn(old: str, new: str) -> None:
@@ -51,30 +50,13 @@ def module_getattr(name: str) -> Any:
         new = MOVED_NAMES[name]
         _warn(f"jaxamp.{name}", f"{new}.{name}")
         return getattr(importlib.import_module(new), name)
-    if f"jaxamp.{name}" in MOVED_MODULES:
-        _warn(f"jaxamp.{name}", "the names that jaxamp exports")
-        return importlib.import_module(MOVED_MODULES[f"jaxamp.{name}"])
+    if f"jaxamp.{name}" in MOVED_MODULES:  # its file warns
+        return importlib.import_module(f"jaxamp.{name}")
     raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")
 
 
-class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports an old module path as the private module it became."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        del path, target
-        if fullname not in MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        _warn(spec.name, "the names that jaxamp exports")
-        return importlib.import_module(MOVED_MODULES[spec.name])
-
-    def exec_module(self, module: ModuleType) -> None:
-        del module  # already executed: it is the private module itself
-
-
-def install() -> None:
-    """Puts the old module paths on ``sys.meta_path`` (once)."""
-    if not any(isinstance(f, _Alias) for f in sys.meta_path):
-        sys.meta_path.append(_Alias())
+def alias(name: str) -> None:
+    """Run by the file left at an old module path: warns, and puts the private module it became
+    in its place in ``sys.modules``, so the import hands on that module itself."""
+    _warn(name, "the names that jaxamp exports")
+    sys.modules[name] = importlib.import_module(MOVED_MODULES[name])

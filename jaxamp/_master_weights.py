@@ -120,7 +120,7 @@ class MixedPrecisionState(NamedTuple):
       grad_norm: fp32 global L2 norm of the last update's unscaled gradients.
       nonfinite_leaves: int32 number of gradient leaves holding an inf or nan at the last update.
       first_nonfinite_leaf: int32 index (tree order, floating leaves) of the first of them, or
-        -1; :func:`jaxamp.nonfinite_leaf_path` gives its path.
+        -1; :func:`jaxamp.gradients.nonfinite_leaf_path` gives its path.
       skips_at_min_scale: int32 count of consecutive non-finite steps taken at the minimum loss
         scale (see ``LossScale.at_min_scale``); 0 after a finite step (saturates).
       stalled: bool, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
@@ -160,7 +160,7 @@ class MixedPrecisionState(NamedTuple):
     update."""
     first_nonfinite_leaf: jax.Array
     """An int32 scalar: the index (tree order, floating leaves) of the first of them, or -1;
-    :func:`jaxamp.nonfinite_leaf_path` gives its path."""
+    :func:`jaxamp.gradients.nonfinite_leaf_path` gives its path."""
     skips_at_min_scale: jax.Array
     """An int32 scalar: consecutive non-finite steps taken at the minimum loss scale; 0 after a
     finite step (saturates)."""

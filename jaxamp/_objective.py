@@ -72,7 +72,8 @@ class Objective:
 
     def scaled(self, policy: Policy, batch: Any, scale: jax.Array, model_state: Any = None,
                rng: Any = None) -> Scaled:
-        """The scaled loss of one (cast) micro-batch, to differentiate (see :class:`Scaled`)."""
+        """The scaled loss of one (cast) micro-batch, to differentiate: a function of the params
+        and the handed model-state nodes (FP8 metadata), with what they saw."""
         return Scaled(self, self.under(policy), batch, scale,
                       model_state if self.has_model_state else None, rng)
 

@@ -735,17 +735,24 @@ class Fp8State(State, _model_state.Node):
         "nnx.Param, jaxamp.fp8.Fp8Meta); TrainState.create(..., model_state=fp8_meta); "
         "make_train_step(loss_fn, has_model_state=True), with loss_fn returning "
         "nnx.state(model, jaxamp.fp8.Fp8Meta)")
+    """The train step's error when a delayed matmul ran whose state is not in the model state."""
 
     def hand(self, scale: jax.Array) -> Fp8State:
+        """The state the step hands the loss under the loss scale ``scale``: the gradient's
+        scale divided by it."""
         return with_loss_scale(self, scale)
 
     def seen(self, scale: jax.Array) -> jax.Array:
+        """The ``(..., 3)`` amax a step saw, read from this cotangent (the gradient's
+        unscaled)."""
         return seen_amax(self, scale)
 
     def update(self, seen: jax.Array) -> Fp8State:
+        """The state after a step that saw ``seen`` (:func:`update_fp8_state`)."""
         return update_fp8_state(self, seen)
 
     def nothing_seen(self) -> jax.Array:
+        """The amax of a step where this matmul did not run: zeros."""
         return jnp.zeros_like(self.scale)
 
 

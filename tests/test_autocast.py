@@ -1754,7 +1754,8 @@ PAGE_CLAIMS = {
     "two threads tracing at once do not see each other's work": (
         AC + "test_two_autocast_traces_racing_in_threads_leave_jax_as_it_was",
         GPU + "test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn"),
-    "so `jaxamp.gpu_memory` (a GPU compile on a machine without one) sees the GPU's program": (
+    "so `jaxamp.memory.gpu_memory` (a GPU compile on a machine without one) sees the GPU's "
+    "program": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
     "not the `[batch, heads, length, length]` probabilities": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",

@@ -441,7 +441,7 @@ def unfixable_divergence(steps=30):
     master = jax.tree.leaves(mp.master_params)
     assert all(np.isfinite(np.asarray(x)).all() for x in master)
     assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
-    path = jaxamp.nonfinite_leaf_path(result.state.params, result.first_leaf[-1])
+    path = jaxamp.gradients.nonfinite_leaf_path(result.state.params, result.first_leaf[-1])
     assert path in LEAF_NAMES
     return {"steps": steps, "stalled_at_step": stall_step + 1, "first_nonfinite_leaf": path}
 
@@ -468,7 +468,7 @@ def test_the_cli_stops_with_an_error_that_names_the_step_and_the_leaf(tmp_path):
     assert "training stalled at step 9: 3 consecutive steps (from step 7)" in message
     assert "minimum loss scale 1," in message and "the loss is nan" in message
     ckpt = [_restore_raw(workdir / "checkpoints" / s / "state") for s in ("4", "8")]
-    leaf = jaxamp.nonfinite_leaf_path(ckpt[0]["params"], 0)
+    leaf = jaxamp.gradients.nonfinite_leaf_path(ckpt[0]["params"], 0)
     assert f"first non-finite gradient leaf is {leaf!r}" in message
     metrics = train_lib.read_metrics(str(workdir))
     assert list(metrics["step"]) == list(range(1, 10))

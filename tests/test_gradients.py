@@ -24,7 +24,7 @@ def test_the_index_and_the_path_count_the_same_leaves():
     stats = jaxamp.gradients.grad_stats(grads)
     assert not bool(stats.finite) and int(stats.nonfinite_leaves) == 1
     assert int(stats.first_nonfinite_leaf) == 2  # a, b, e are the floating leaves
-    assert jaxamp.nonfinite_leaf_path(grads, stats.first_nonfinite_leaf) == "e"
+    assert jaxamp.gradients.nonfinite_leaf_path(grads, stats.first_nonfinite_leaf) == "e"
     assert float(jaxamp.gradients.grad_stats({"a": 3.0, "b": jnp.array([4.0])}).norm) == 5.0
 
 
@@ -47,7 +47,7 @@ def test_a_sharded_gradient_is_reduced_without_gathering_it(spec):
 
 def test_out_of_range_index_raises():
     with pytest.raises(ValueError, match="out of range for a tree with 1 floating leaves"):
-        jaxamp.nonfinite_leaf_path({"w": jnp.ones(2)}, 3)
+        jaxamp.gradients.nonfinite_leaf_path({"w": jnp.ones(2)}, 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_grad_stats_counts_and_finds_the_first_nonfinite_leaf():
     assert np.isnan(float(norm))
     assert int(count) == 2
     assert int(first) == 1
-    assert jaxamp.nonfinite_leaf_path(grads, first) == "b"
+    assert jaxamp.gradients.nonfinite_leaf_path(grads, first) == "b"
     stats = jaxamp.gradients.grad_stats(
         {"a": jnp.ones(2), "b": jnp.ones(1), "c": jnp.array([jnp.inf])})
     assert (int(stats.nonfinite_leaves), int(stats.first_nonfinite_leaf)) == (1, 2)
@@ -88,7 +88,7 @@ def test_grad_stats_skips_integer_leaves_in_the_index():
     grads = {"a": jnp.arange(3), "b": jnp.ones(2), "c": jnp.array([jnp.nan], F16)}
     stats = jaxamp.gradients.grad_stats(grads)
     assert int(stats.first_nonfinite_leaf) == 1
-    assert jaxamp.nonfinite_leaf_path(grads, stats.first_nonfinite_leaf) == "c"
+    assert jaxamp.gradients.nonfinite_leaf_path(grads, stats.first_nonfinite_leaf) == "c"
     assert int(jaxamp.gradients.grad_stats({"n": jnp.arange(3)}).first_nonfinite_leaf) == -1
 
 
@@ -117,12 +117,12 @@ def test_grad_stats_of_an_empty_tree():
 def test_nonfinite_leaf_path():
     tree = {"dense": {"bias": jnp.zeros(2), "kernel": jnp.zeros((2, 2))},
             "embed": [jnp.zeros(3), jnp.zeros(3, BF16)]}
-    assert [jaxamp.nonfinite_leaf_path(tree, i) for i in range(4)] == [
+    assert [jaxamp.gradients.nonfinite_leaf_path(tree, i) for i in range(4)] == [
         "dense/bias", "dense/kernel", "embed/0", "embed/1"]
-    assert jaxamp.nonfinite_leaf_path(tree, -1) is None
+    assert jaxamp.gradients.nonfinite_leaf_path(tree, -1) is None
     # Device arrays and replicated (stacked) indices are accepted.
-    assert jaxamp.nonfinite_leaf_path(tree, jnp.int32(1)) == "dense/kernel"
-    assert jaxamp.nonfinite_leaf_path(tree, np.array([2, 2, 2])) == "embed/0"
+    assert jaxamp.gradients.nonfinite_leaf_path(tree, jnp.int32(1)) == "dense/kernel"
+    assert jaxamp.gradients.nonfinite_leaf_path(tree, np.array([2, 2, 2])) == "embed/0"
 
 
 @pytest.mark.parametrize("index", [4, 5, 100])
@@ -130,4 +130,4 @@ def test_nonfinite_leaf_path_out_of_range_raises(index):
     tree = {"dense": {"bias": jnp.zeros(2), "kernel": jnp.zeros((2, 2))},
             "embed": [jnp.zeros(3), jnp.zeros(3)]}
     with pytest.raises(ValueError, match="out of range"):
-        jaxamp.nonfinite_leaf_path(tree, index)
+        jaxamp.gradients.nonfinite_leaf_path(tree, index)

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
+from jaxamp.gradients import nonfinite_leaf_path
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 N_DEVICES = 8
@@ -95,14 +96,14 @@ def test_step_metrics_name_the_poisoned_leaf(policy):
     assert int(m["nonfinite_leaves"]) == 0
     assert int(m["first_nonfinite_leaf"]) == -1
     assert m["first_nonfinite_leaf"].dtype == jnp.int32
-    assert jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) is None
+    assert nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) is None
 
     state, m = step(state, poisoned(batch, 5))
     assert not bool(m["grads_finite"])
     assert int(m["nonfinite_leaves"]) == 1
     assert int(m["first_nonfinite_leaf"]) == LAYER1_KERNEL
-    assert jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) == "layer1/kernel"
-    assert jaxamp.nonfinite_leaf_path(state.master_params,
+    assert nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) == "layer1/kernel"
+    assert nonfinite_leaf_path(state.master_params,
                                       m["first_nonfinite_leaf"]) == "layer1/kernel"
 
     state, m = step(state, batch)
@@ -120,7 +121,7 @@ def test_first_of_several_nonfinite_leaves_is_reported():
     _, m = step(make_state(), poisoned(make_batch(), 0))
     assert int(m["nonfinite_leaves"]) == 3
     assert int(m["first_nonfinite_leaf"]) == 1
-    assert jaxamp.nonfinite_leaf_path(init_params(), m["first_nonfinite_leaf"]) == "layer0/kernel"
+    assert nonfinite_leaf_path(init_params(), m["first_nonfinite_leaf"]) == "layer0/kernel"
 
 
 def test_optimizer_state_holds_the_first_nonfinite_leaf():
@@ -132,7 +133,7 @@ def test_optimizer_state_holds_the_first_nonfinite_leaf():
     assert isinstance(mp, jaxamp.MixedPrecisionState)
     assert int(mp.first_nonfinite_leaf) == LAYER1_KERNEL
     assert int(mp.nonfinite_leaves) == 1
-    assert jaxamp.nonfinite_leaf_path(state.params, mp.first_nonfinite_leaf) == "layer1/kernel"
+    assert nonfinite_leaf_path(state.params, mp.first_nonfinite_leaf) == "layer1/kernel"
     state, _ = step(state, make_batch())
     assert int(jaxamp.find_state(state.opt_state).first_nonfinite_leaf) == -1
 
@@ -160,7 +161,7 @@ def test_every_pmap_replica_names_the_same_leaf():
     firsts = np.asarray(m["first_nonfinite_leaf"])
     np.testing.assert_array_equal(firsts, [LAYER1_KERNEL] * N_DEVICES)
     params = jaxamp.parallel.unreplicate(rstate).params
-    assert {jaxamp.nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
+    assert {nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
     mp = jaxamp.find_state(rstate.opt_state)
     np.testing.assert_array_equal(np.asarray(mp.first_nonfinite_leaf), firsts)
 
@@ -329,7 +330,7 @@ def test_explain_overflow_agrees_with_the_step():
     _, m = jax.jit(jaxamp.make_train_step(poisoned_loss))(state, bad)
     report = jaxamp.explain_overflow(state, bad, poisoned_loss)
     assert report.nonfinite_grads == [
-        jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
+        nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
 
 
 def test_explain_overflow_takes_the_step_and_runs_what_it_trains():
@@ -360,7 +361,7 @@ def test_explain_overflow_of_an_accumulating_step_names_the_micro_batch():
     assert report.micro_batch == 1
     assert report.first_forward is not None
     assert report.nonfinite_grads == [
-        jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
+        nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"])] == ["layer1/kernel"]
     assert "first in micro-batch 1" in str(report)
     # A finite batch: no micro-batch named, and the step's loss (the mean of the micro-batches').
     _, m = jax.jit(step)(state, make_batch())

@@ -35,9 +35,10 @@ def test_no_module_imports_a_name_its_source_does_not_export():
 
 
 def test_every_library_module_but_the_public_subpackages_is_private():
+    old_paths = {m.removeprefix("jaxamp.") for m in _deprecated.MOVED_MODULES}
     public = sorted(p.stem for p in PACKAGE.glob("*.py")
-                    if not p.stem.startswith("_"))
-    assert public == ["fp8", "gradients", "ops", "parallel", "rounding"]
+                    if not p.stem.startswith("_") and p.stem not in old_paths)
+    assert public == ["fp8", "gradients", "memory", "ops", "parallel", "rounding"]
     exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
     assert exported_modules == set(public)
 
@@ -67,6 +68,16 @@ def test_a_moved_module_still_imports_with_a_warning(old):
     with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
         module = importlib.import_module(old)
     assert module is new
+
+
+def test_importing_jaxamp_installs_no_import_hook():
+    """The old module paths are files of their own: ``import jaxamp`` leaves the import
+    system as it was."""
+    code = ("import sys, jaxamp\n"
+            "ours = [f for f in (*sys.meta_path, *sys.path_hooks)\n"
+            "        if getattr(f, '__module__', '').startswith('jaxamp')]\n"
+            "assert ours == [], ours\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_an_unknown_name_is_an_attribute_error():

@@ -20,6 +20,7 @@ from helpers import replicated_sharding
 from helpers import standard_promotion
 
 import jaxamp
+from jaxamp.gradients import nonfinite_leaf_path
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 N_DEVICES = 8
@@ -767,7 +768,7 @@ def test_params_with_none_leaves_train_under_every_policy(policy):
     state, m = step(state, {**make_batch(), "poison": None,
                             "y": np.full((16,), np.inf, np.float32)})
     assert not bool(m["grads_finite"])
-    assert jaxamp.nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) == "layer/b"
+    assert nonfinite_leaf_path(state.params, m["first_nonfinite_leaf"]) == "layer/b"
 
 
 def test_an_equinox_mlp_trains_through_mixed_precision_and_make_train_step():

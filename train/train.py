@@ -256,7 +256,7 @@ def _raise_if_stalled(done: int, metrics: dict, loop: _Loop) -> None:
 def _stall_message(done: int, metrics: dict, params: Any, stall_after: int) -> str:
     count = int(_scalar(metrics["skips_at_min_scale"]))
     first = done - count + 1
-    leaf = jaxamp.nonfinite_leaf_path(params, np.asarray(metrics["first_nonfinite_leaf"]))
+    leaf = jaxamp.gradients.nonfinite_leaf_path(params, np.asarray(metrics["first_nonfinite_leaf"]))
     return (f"training stalled at step {done - (count - stall_after)}: {stall_after} consecutive "
             f"steps (from step {first}) had non-finite gradients at the minimum loss scale "
             f"{_scalar(metrics['loss_scale']):g}, which loss scaling cannot fix. The first "

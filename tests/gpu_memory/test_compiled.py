@@ -1,6 +1,6 @@
-"""``jaxamp.gpu_memory`` and ``python -m benchmarks gpu --deviceless``, compiled by XLA:GPU for an
-H200 on this machine (no GPU). Run by ``make test-gpu-memory``, in .venv-gpu: jax's CUDA plugin
-at the versions of the H200 run, ``JAX_PLATFORMS=cpu``.
+"""``jaxamp.memory.gpu_memory`` and ``python -m benchmarks gpu --deviceless``, compiled by XLA:GPU
+for an H200 on this machine (no GPU). Run by ``make test-gpu-memory``, in .venv-gpu: jax's CUDA
+plugin at the versions of the H200 run, ``JAX_PLATFORMS=cpu``.
 
 The memory goals are checked here on the reference models and the user's GPT with their real
 layer shapes and batches but fewer layers (2; 8 of BERT-Large's 24), which compile faster;
@@ -41,7 +41,7 @@ def test_parts_of_a_known_program():
     def step(w, x):
         return w - 0.1 * jax.grad(lambda w: jnp.tanh(x @ w.astype(x.dtype)).astype(
             jnp.float32).sum())(w)
-    report = jaxamp.gpu_memory(step, w, x, target="h200", donate_argnums=0)
+    report = jaxamp.memory.gpu_memory(step, w, x, target="h200", donate_argnums=0)
     assert report.target == "NVIDIA H200 141GB HBM3e" and report.devices == 1
     assert report.argument_bytes == 4 * 2**20 + 512 * 2**10
     assert report.argument_by_dtype == {"float32": 4 * 2**20, "bfloat16": 512 * 2**10}
@@ -58,10 +58,10 @@ def test_parts_of_a_known_program():
 
 def test_h100_and_a_target_of_ones_own():
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-    h100 = jaxamp.gpu_memory(lambda x: (x @ x).sum(), x, target="h100")
+    h100 = jaxamp.memory.gpu_memory(lambda x: (x @ x).sum(), x, target="h100")
     assert h100.target == "NVIDIA H100 80GB HBM3"
-    own = jaxamp.gpu_memory(lambda x: (x @ x).sum(), x,
-                            target=jaxamp._gpu_memory._target_text("h100")[1].replace(
+    own = jaxamp.memory.gpu_memory(lambda x: (x @ x).sum(), x,
+                            target=jaxamp.memory._target_text("h100")[1].replace(
                                 "NVIDIA H100 80GB HBM3", "my GPU"))
     assert own.target == "my GPU" and own.argument_bytes == h100.argument_bytes
 
@@ -98,7 +98,7 @@ def test_a_users_model_under_autocast_keeps_half_precision_on_the_gpu(make):
         state = jax.eval_shape(lambda p, tx=tx: jaxamp.TrainState.create(params=p, tx=tx),
                                params)
         step = jax.jit(jaxamp.make_train_step(loss, autocast=autocast), donate_argnums=0)
-        reports[policy] = jaxamp.gpu_memory(step, state, _abstract(batch), target="h200")
+        reports[policy] = jaxamp.memory.gpu_memory(step, state, _abstract(batch), target="h200")
     fp32, mixed = reports["float32"], reports["mixed_bfloat16"]
     assert mixed.total_bytes < 0.8 * fp32.total_bytes, (str(fp32), str(mixed))
     assert set(fp32.temp_by_dtype) <= {"float32", "int32", "int8", "bool"}, str(fp32)
@@ -128,7 +128,7 @@ def test_every_fp8_matmul_of_a_train_step_compiles_to_an_fp8_gemm():
         state = jax.eval_shape(lambda p, tx=tx: jaxamp.TrainState.create(params=p, tx=tx),
                                params)
         step = jax.jit(jaxamp.make_train_step(loss, autocast=True), donate_argnums=0)
-        gemms[policy] = jaxamp.gpu_memory(step, state, _abstract(batch), target="h200").gemms
+        gemms[policy] = jaxamp.memory.gpu_memory(step, state, _abstract(batch), target="h200").gemms
     # 3 forward, 3 weight gradients, 2 input gradients (the batch's is never computed).
     fp8 = {k: v for k, v in gemms["mixed_fp8"].items() if k.count("f8") == 2}
     assert sum(fp8.values()) == 8 and fp8 == gemms["mixed_fp8"], gemms
@@ -175,7 +175,7 @@ def test_the_reference_transformers_lower_attention_to_cudnn(name, mask):
         state = jax.eval_shape(lambda p, tx=tx: jaxamp.TrainState.create(params=p, tx=tx),
                                params)
         step = jax.jit(jaxamp.make_train_step(loss, has_aux=True), donate_argnums=0)
-        hlo[policy] = jaxamp.gpu_memory(step, state, batch, target="h200").hlo
+        hlo[policy] = jaxamp.memory.gpu_memory(step, state, batch, target="h200").hlo
     fused = hlo["mixed_bfloat16"]
     assert fused.count('custom_call_target="__cudnn$fmhaSoftmax"') == 2  # one per layer
     assert fused.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') == 2
@@ -198,7 +198,7 @@ def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 129)), jnp.int32)
     batch = {"tokens": tokens}
     step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
-    report = jaxamp.gpu_memory(step, _abstract(state), _abstract(batch), target="h200")
+    report = jaxamp.memory.gpu_memory(step, _abstract(state), _abstract(batch), target="h200")
     # The mask of nnx.make_causal_mask makes them cuDNN's kernels with a bias.
     calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', report.hlo)
     assert len([c for c in calls if not c.endswith("Backward")]) == depth, calls
@@ -211,7 +211,7 @@ def test_autocast_gives_a_users_nnx_attention_cudnns_kernel():
     try:
         jax.nn.dot_product_attention = xla_attention
         explicit_step = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))
-        explicit = jaxamp.gpu_memory(explicit_step, _abstract(state), _abstract(batch),
+        explicit = jaxamp.memory.gpu_memory(explicit_step, _abstract(state), _abstract(batch),
                                      target="h200")
         cpu_explicit = explicit_step(state, batch)[1]["loss"]
     finally:
@@ -239,7 +239,7 @@ def test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn(
     def compile_for_the_gpu(name):
         try:
             grad = jax.jit(jax.grad(jaxamp.autocast(loss), argnums=(0, 1, 2)))
-            hlo[name] = jaxamp.gpu_memory(grad, s, s, s, target="h200").hlo
+            hlo[name] = jaxamp.memory.gpu_memory(grad, s, s, s, target="h200").hlo
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
     threads = [threading.Thread(target=compile_for_the_gpu, args=(n,)) for n in "ab"]
@@ -274,7 +274,7 @@ def test_the_audit_counts_cudnns_attention_flops():
 
 def test_the_zero3_state_on_eight_gpus():
     """ZeRO-3 on 8 H200s: each GPU holds an eighth of the state."""
-    mesh = jaxamp.gpu_mesh("h200", 8)
+    mesh = jaxamp.memory.gpu_mesh("h200", 8)
     params = {"w": jnp.zeros((4096, 4096)), "b": jnp.zeros((4096,))}
     tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_bfloat16")
     state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
@@ -290,7 +290,7 @@ def test_the_zero3_state_on_eight_gpus():
                    in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, jax.sharding.NamedSharding(
                        mesh, jax.sharding.PartitionSpec())))
-    report = jaxamp.gpu_memory(step, laid, x, mesh=mesh)
+    report = jaxamp.memory.gpu_memory(step, laid, x, mesh=mesh)
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     assert report.devices == 8
     assert report.argument_bytes == pytest.approx(whole / 8 + 64 * 4096 * 4 / 8, rel=0.01)

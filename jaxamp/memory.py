@@ -111,7 +111,7 @@ def _target_text(target: str) -> tuple[str, str]:
     key = target.lower().replace(" ", "").removeprefix("nvidia")
     if key not in _HOPPER_SXM:
         raise ValueError(
-            f"unknown target {target!r} in jaxamp.gpu_memory; expected one of "
+            f"unknown target {target!r} in jaxamp.memory.gpu_memory; expected one of "
             f"{', '.join(GPU_TARGETS)}, or the text of an XLA GpuTargetConfigProto (XLA "
             "ships them as xla/backends/gpu/target_config/specs/*.txtpb)")
     return _HOPPER_SXM[key].name, _target_config(_HOPPER_SXM[key])
@@ -133,7 +133,7 @@ def gpu_mesh(target: str = "h200", shape: tuple[int, ...] | int = 1,
       axis_names: the mesh's axis names.
 
     >>> import jaxamp
-    >>> mesh = jaxamp.gpu_mesh("h200", 8)
+    >>> mesh = jaxamp.memory.gpu_mesh("h200", 8)
     >>> mesh.size, mesh.axis_names, mesh.devices.flat[0].device_kind
     (8, ('batch',), 'NVIDIA H200 141GB HBM3e')
     """
@@ -149,7 +149,7 @@ def gpu_mesh(target: str = "h200", shape: tuple[int, ...] | int = 1,
             platform="cuda", topology=f"1x1x{devices}", target_config=text)
     except (NotImplementedError, RuntimeError, ValueError) as e:
         raise RuntimeError(
-            "jaxamp.gpu_memory compiles with XLA:GPU, which comes with jax's CUDA plugin: "
+            "jaxamp.memory.gpu_memory compiles with XLA:GPU, which comes with jax's CUDA plugin: "
             'install it with pip install "jax[cuda13]" (Linux, no GPU needed), and on a machine '
             "without a GPU start Python with JAX_PLATFORMS=cpu so that the plugin loads without "
             f"a driver. jax {jax.__version__} said: {type(e).__name__}: {e}") from e
@@ -381,7 +381,7 @@ def gpu_memory(fn: Callable, *args: Any, target: str = "h200",
     >>> def step(w, x):
     ...     loss = lambda w: jnp.tanh(x @ w.astype(x.dtype)).astype(jnp.float32).sum()
     ...     return w - 0.1 * jax.grad(loss)(w)
-    >>> report = jaxamp.gpu_memory(step, w, x, target="h100", donate_argnums=0)
+    >>> report = jaxamp.memory.gpu_memory(step, w, x, target="h100", donate_argnums=0)
     >>> report.target, report.argument_bytes / 2**20, report.alias_bytes / 2**20
     ('NVIDIA H100 80GB HBM3', 128.0, 64.0)
     >>> report.total_bytes == report.argument_bytes + report.temp_bytes  # w updated in place
