@@ -111,7 +111,7 @@ test-newest: $(STAMP_NEWEST)
 # XLA:GPU's compiler on this machine, no GPU: jax's CUDA 13 plugin (it installs on Linux without a
 # GPU or a driver) at the versions of the H200 run (Python 3.12, jax 0.11.2, flax 0.12.10), in
 # .venv-gpu. `make gpu-memory` compiles every JAX row of the gpu suite for an H200 and reports
-# its memory; `make test-gpu-memory` runs jaxamp.gpu_memory's tests and doctest there (the other
+# its memory; `make test-gpu-memory` runs jaxamp.memory's tests and doctests there (the other
 # lanes have no XLA:GPU, and leave these files out).
 VENV_GPU := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)

@@ -304,12 +304,13 @@ def make_train_step(
                      _Jit(mesh, data_axis))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TrainStep:
     """The step :func:`make_train_step` builds: ``step(state, batch) -> (state, metrics)``,
     pure, for ``jax.jit`` or ``jax.pmap``. It holds what it was built with: its
     :attr:`objective` and the options that say how the objective's gradients are taken,
-    reduced and applied."""
+    reduced and applied. Each build is its own function (equal to itself only), as a closure
+    would be: ``jax.jit`` traces two builds apart, even of the same loss."""
 
     objective: Objective
     """The loss and how it is called (see :class:`~jaxamp.Objective`)."""

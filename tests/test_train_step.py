@@ -903,3 +903,20 @@ def test_the_gradient_order_changes_no_value(policy, monkeypatch):
     ordered = run()
     monkeypatch.setattr(_train_step, "in_made_order", lambda grads, order: grads)
     assert_tree_bitwise_equal(run(), ordered)
+
+
+def test_each_build_of_a_step_is_traced_on_its_own():
+    """A step is its own function, as a closure is: ``jax.jit`` of two builds of one loss
+    traces each (a loss that reads global state, as a test's patch, gets its new value)."""
+    traces = []
+
+    def loss_fn(params, batch):
+        traces.append(1)
+        return mse_loss(params, batch)
+
+    state = jaxamp.TrainState.create(
+        params=init_params(), tx=jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
+    objective = jaxamp.Objective(loss_fn)
+    for _ in range(2):
+        jax.jit(jaxamp.make_train_step(objective))(state, make_batch())
+    assert len(traces) == 2
