@@ -917,6 +917,7 @@ def test_each_build_of_a_step_is_traced_on_its_own():
     state = jaxamp.TrainState.create(
         params=init_params(), tx=jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
     objective = jaxamp.Objective(loss_fn)
-    for _ in range(2):
-        jax.jit(jaxamp.make_train_step(objective))(state, make_batch())
+    steps = [jaxamp.make_train_step(objective) for _ in range(2)]  # both alive
+    for step in steps:
+        jax.jit(step)(state, make_batch())
     assert len(traces) == 2
