@@ -26,13 +26,13 @@ def _loss_fn(params, batch, model_state, rng):
     return jnp.mean((pred - batch["y"]) ** 2), new_state
 
 
-def _state(policy="mixed_float16"):
+def _state(policy="mixed_float16", **options):
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     params = {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 1))}
     scale = jaxamp.DynamicLossScale(loss_scale=2.0**10, growth_interval=3, hysteresis=2,
                                     min_scale=1.0, max_scale=2.0**14)
     tx = jaxamp.mixed_precision(optax.adamw(optax.cosine_decay_schedule(1e-2, 20)), policy,
-                                loss_scale=scale)
+                                loss_scale=scale, **options)
     return jaxamp.TrainState.create(params=params, tx=tx, model_state={"mean": jnp.zeros(4)},
                                     rng=jax.random.PRNGKey(1))
 
