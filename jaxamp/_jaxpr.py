@@ -198,19 +198,14 @@ def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
 def walk_levels(jaxpr: Any, mult: float = 1.0,
                  outer: str = "") -> Iterator[tuple[Any, float, dict, str]]:
     """Like :func:`walk`, with the map from each variable to the equation producing it and the
-    enclosing name stack. It is :func:`evaluate`'s loop with an equation hook that evaluates
-    nothing: every value is ``None``, and each equation is yielded, then its bodies walked."""
+    enclosing name stack: each equation in order, then the equations of its bodies (as
+    :func:`sub_jaxprs` gives them). It walks; it evaluates nothing (:func:`evaluate` does)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    found: list[tuple[Any, float, dict, str]] = []
-
-    def visit(eqn: Any, read: Callable) -> list:
-        found.append((eqn, mult, producers, outer))
+    for eqn in jaxpr.eqns:
+        yield eqn, mult, producers, outer
         for sub, m in sub_jaxprs(eqn):
-            found.extend(walk_levels(sub, mult * m, nested_stack(eqn, outer)))
-        return [None] * len(eqn.outvars)
-    evaluate(jaxpr, [None] * len(jaxpr.constvars), [None] * len(jaxpr.invars), equation=visit)
-    return iter(found)
+            yield from walk_levels(sub, mult * m, nested_stack(eqn, outer))
 
 
 def _platform_branch(eqn: Any) -> Any:

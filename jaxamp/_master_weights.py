@@ -79,6 +79,8 @@ from jaxamp.gradients import grad_stats
 
 __all__ = [
     "MASTERS",
+    "Health",
+    "Master",
     "MixedPrecisionState",
     "find_state",
     "get_loss_scale",
@@ -94,59 +96,26 @@ __all__ = [
 ]
 
 
-class MixedPrecisionState(NamedTuple):
-    """The state of :func:`mixed_precision`. Every leaf is an array.
+class Master(NamedTuple):
+    """Where :func:`mixed_precision` keeps each param's fp32 value, as its ``master=`` option
+    (:attr:`MixedPrecisionState.storage`) lays it out."""
 
-    >>> import jax.numpy as jnp, optax
-    >>> state = mixed_precision(optax.adam(1e-3), "mixed_bfloat16").init({"w": jnp.ones(2)})
-    >>> int(state.applied_steps), int(state.skipped_steps), state.master_params["w"].dtype
-    (0, 0, dtype('float32'))
-    >>> str(state.policy)
-    'p=f32,c=bf16,o=f32'
-
-    Attributes:
-      master_params: a tree like the params: the fp32 master copy (in ``policy.param_dtype``)
-        of each param that works in another dtype under ``master="float32"``, and
-        ``optax.MaskedNode()`` for every other param (one that works in ``param_dtype`` is its
-        own master; the other ``master=`` options keep none). :func:`get_master_params` with
-        the params gives every param's fp32 value.
-      inner_state: the wrapped optimizer's state, built on the fp32 params; its moments in
-        ``moments_dtype`` when one is given.
-      loss_scale: a :class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
-        ``DynamicLossScale`` holding the scale for the next step.
-      applied_steps: int32 count of applied updates (saturates at 2**31 - 1).
-      skipped_steps: int32 count of skipped, non-finite updates (saturates).
-      grads_finite: bool, whether the last update's gradients were all finite.
-      grad_norm: fp32 global L2 norm of the last update's unscaled gradients.
-      nonfinite_leaves: int32 number of gradient leaves holding an inf or nan at the last update.
-      first_nonfinite_leaf: int32 index (tree order, floating leaves) of the first of them, or
-        -1; :func:`jaxamp.gradients.nonfinite_leaf_path` gives its path.
-      skips_at_min_scale: int32 count of consecutive non-finite steps taken at the minimum loss
-        scale (see ``LossScale.at_min_scale``); 0 after a finite step (saturates).
-      stalled: bool, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
-        where the loss scale cannot back off any further, so loss scaling cannot fix them.
-      compensation: ``master="kahan"``: a tree like the params holding each half-precision
-        param's compensation (``uint16`` for bf16, float16 for fp16; ``MaskedNode`` elsewhere);
-        else ``None``.
-      rounding_key: the uint32 data of the PRNG key of stochastic rounding (``master=
-        "stochastic"`` or ``moments_dtype="bfloat16"``), else ``None``. It never changes:
-        each applied step folds in ``applied_steps``, then the leaf's index.
-      policy: the :class:`~jaxamp.Policy` the transform was built with. Static: a pytree node
-        without leaves, part of the treedef, so it survives jit, pmap and every optax wrapper.
-      storage: how each param's fp32 value is kept (the ``master=`` option, per param leaf),
-        static like the policy; every reader of the state (:func:`get_master_params`,
-        :func:`next_working_params`) asks it.
-    """
-
-    master_params: Any
+    params: Any
     """A tree like the params: the fp32 master copy of each param that works in another dtype
     (``master="float32"``), ``optax.MaskedNode()`` for every other param."""
-    inner_state: Any
-    """The wrapped optimizer's state, built on the fp32 params (its moments in
-    ``moments_dtype`` when one is given)."""
-    loss_scale: LossScale
-    """The loss-scale state (:class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
-    ``DynamicLossScale``) holding the scale for the next step."""
+    compensation: Any = None
+    """``master="kahan"``: a tree like the params holding each half-precision param's
+    compensation (``uint16`` for bf16, float16 for fp16; ``MaskedNode`` elsewhere); else
+    ``None``."""
+    rounding_key: Any = None
+    """The uint32 data of the PRNG key of stochastic rounding (``master="stochastic"`` or
+    ``moments_dtype="bfloat16"``), else ``None``; it never changes: each applied step folds in
+    ``applied_steps``, then the leaf's index."""
+
+
+class Health(NamedTuple):
+    """The counters of :func:`mixed_precision` and what its last update found."""
+
     applied_steps: jax.Array
     """An int32 scalar: the number of applied updates (saturates at 2**31 - 1)."""
     skipped_steps: jax.Array
@@ -162,24 +131,195 @@ class MixedPrecisionState(NamedTuple):
     """An int32 scalar: the index (tree order, floating leaves) of the first of them, or -1;
     :func:`jaxamp.gradients.nonfinite_leaf_path` gives its path."""
     skips_at_min_scale: jax.Array
-    """An int32 scalar: consecutive non-finite steps taken at the minimum loss scale; 0 after a
-    finite step (saturates)."""
+    """An int32 scalar: consecutive non-finite steps taken at the minimum loss scale (see
+    ``LossScale.at_min_scale``); 0 after a finite step (saturates)."""
     stalled: jax.Array
     """A bool scalar, ``skips_at_min_scale >= stall_after``: the gradients keep overflowing
-    where loss scaling cannot help."""
-    compensation: Any = None
-    """``master="kahan"``: a tree like the params holding each half-precision param's
-    compensation (``uint16`` for bf16, float16 for fp16; ``MaskedNode`` elsewhere); else
-    ``None``."""
-    rounding_key: Any = None
-    """The uint32 data of the PRNG key of stochastic rounding (``master="stochastic"`` or
-    ``moments_dtype="bfloat16"``), else ``None``; it never changes."""
+    where the loss scale cannot back off any further, so loss scaling cannot fix them."""
+
+    @classmethod
+    def create(cls) -> Health:
+        """Before the first update: no step, finite, no bad leaf. Each field is a buffer of
+        its own, so that the state can be donated."""
+        def zero():
+            return jnp.zeros((), jnp.int32)
+        return cls(zero(), zero(), jnp.array(True), jnp.zeros((), jnp.float32), zero(),
+                   jnp.full((), -1, jnp.int32), zero(), jnp.array(False))
+
+
+class _State(NamedTuple):
+    """The fields of :class:`MixedPrecisionState`."""
+
+    master: Master
+    """The fp32 values: ``params`` (the master copies), ``compensation`` (the Kahan
+    compensation) and ``rounding_key``."""
+    inner_state: Any
+    """The wrapped optimizer's state, built on the fp32 params (its moments in
+    ``moments_dtype`` when one is given)."""
+    loss_scale: LossScale
+    """The loss-scale state (:class:`~jaxamp.NoOpLossScale`, ``StaticLossScale`` or
+    ``DynamicLossScale``) holding the scale for the next step."""
+    health: Health
+    """The counters and what the last update found: ``applied_steps``, ``skipped_steps``,
+    ``grads_finite``, ``grad_norm``, ``nonfinite_leaves``, ``first_nonfinite_leaf``,
+    ``skips_at_min_scale``, ``stalled``."""
     policy: Policy = Policy()
     """The :class:`~jaxamp.Policy` the transform was built with; static (part of the
-    treedef, not a leaf)."""
+    treedef, not a leaf), so it survives jit, pmap and every optax wrapper."""
     storage: Storage | None = None
     """How each param leaf's fp32 value is kept: the ``master=`` option and each leaf's working
-    dtype; static like the policy."""
+    dtype; static like the policy. Every reader of the state (:func:`get_master_params`,
+    :func:`next_working_params`) asks it."""
+
+
+class MixedPrecisionState(_State):
+    """The state of :func:`mixed_precision`, nested by concern (optax's way): the master
+    storage, the inner optimizer's state, the loss scale, the health counters, and the static
+    policy and storage layout. Every leaf is an array.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.adam(1e-3), "mixed_bfloat16").init({"w": jnp.ones(2)})
+    >>> int(state.health.applied_steps), state.master.params["w"].dtype, str(state.policy)
+    (0, dtype('float32'), 'p=f32,c=bf16,o=f32')
+
+    The flat names of the state before it was nested (``state.skipped_steps``,
+    ``state.master_params``, ...) read the same fields. A checkpoint written in that layout
+    restores through :meth:`flat_layout` and :meth:`nested_layout`.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> MixedPrecisionState:
+        """The fields, or (as before the state was nested) the flat names of :attr:`master`
+        and :attr:`health` as keywords."""
+        flat = {k: kwargs.pop(k) for k in list(kwargs)
+                if k in _MASTER_NAMES or k in ("compensation", "rounding_key")
+                or k in Health._fields}
+        if flat:
+            kwargs["master"] = Master(flat.pop("master_params"), flat.pop("compensation", None),
+                                      flat.pop("rounding_key", None))
+            kwargs["health"] = Health(**flat)
+        return super().__new__(cls, *args, **kwargs)
+
+    # The state's flat names, read-only: a field of :attr:`master` or :attr:`health`.
+    @property
+    def master_params(self) -> Any:
+        """The field ``master.params`` (read-only)."""
+        return self.master.params
+
+    @property
+    def compensation(self) -> Any:
+        """The field ``master.compensation`` (read-only)."""
+        return self.master.compensation
+
+    @property
+    def rounding_key(self) -> Any:
+        """The field ``master.rounding_key`` (read-only)."""
+        return self.master.rounding_key
+
+    @property
+    def applied_steps(self) -> jax.Array:
+        """The field ``health.applied_steps`` (read-only)."""
+        return self.health.applied_steps
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        """The field ``health.skipped_steps`` (read-only)."""
+        return self.health.skipped_steps
+
+    @property
+    def grads_finite(self) -> jax.Array:
+        """The field ``health.grads_finite`` (read-only)."""
+        return self.health.grads_finite
+
+    @property
+    def grad_norm(self) -> jax.Array:
+        """The field ``health.grad_norm`` (read-only)."""
+        return self.health.grad_norm
+
+    @property
+    def nonfinite_leaves(self) -> jax.Array:
+        """The field ``health.nonfinite_leaves`` (read-only)."""
+        return self.health.nonfinite_leaves
+
+    @property
+    def first_nonfinite_leaf(self) -> jax.Array:
+        """The field ``health.first_nonfinite_leaf`` (read-only)."""
+        return self.health.first_nonfinite_leaf
+
+    @property
+    def skips_at_min_scale(self) -> jax.Array:
+        """The field ``health.skips_at_min_scale`` (read-only)."""
+        return self.health.skips_at_min_scale
+
+    @property
+    def stalled(self) -> jax.Array:
+        """The field ``health.stalled`` (read-only)."""
+        return self.health.stalled
+
+    def _replace(self, **changes: Any) -> MixedPrecisionState:
+        """A copy with fields changed: its own, or the flat names of :attr:`master` and
+        :attr:`health` (``state._replace(master_params=..., skipped_steps=...)``)."""
+        master = {_MASTER_NAMES.get(k, k): changes.pop(k) for k in list(changes)
+                  if k in _MASTER_NAMES or k in ("compensation", "rounding_key")}
+        health = {k: changes.pop(k) for k in list(changes) if k in Health._fields}
+        if master:
+            changes["master"] = changes.get("master", self.master)._replace(**master)
+        if health:
+            changes["health"] = changes.get("health", self.health)._replace(**health)
+        return super()._replace(**changes)
+
+    @staticmethod
+    def flat_layout(tree: Any) -> Any:
+        """``tree`` (a train state, an optimizer state, its shardings or abstract values) with
+        every :class:`MixedPrecisionState` in the flat layout that checkpoints written before
+        the state was nested hold: restore such a checkpoint into ``flat_layout(target)``, then
+        :meth:`nested_layout` the result.
+
+        >>> import jax.numpy as jnp, optax
+        >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
+        >>> flat = MixedPrecisionState.flat_layout(state)
+        >>> int(flat.skipped_steps), MixedPrecisionState.nested_layout(flat).master.params["w"]
+        (0, Array([1., 1.], dtype=float32))
+        """
+        return _map_states(tree, MixedPrecisionState, lambda s: _FlatState._make((
+            s.master.params, s.inner_state, s.loss_scale, *s.health, s.master.compensation,
+            s.master.rounding_key, s.policy, s.storage)))
+
+    @staticmethod
+    def nested_layout(tree: Any) -> Any:
+        """``tree`` with every state in the flat layout (see :meth:`flat_layout`) nested."""
+        return _map_states(tree, _FlatState, lambda s: MixedPrecisionState(
+            Master(s.master_params, s.compensation, s.rounding_key), s.inner_state,
+            s.loss_scale, Health(*s[3:11]), s.policy, s.storage))
+
+
+_MASTER_NAMES = {"master_params": "params"}
+
+
+class _FlatState(NamedTuple):
+    """:class:`MixedPrecisionState`'s layout before it was nested (its checkpoints' paths)."""
+
+    master_params: Any
+    inner_state: Any
+    loss_scale: Any
+    applied_steps: Any
+    skipped_steps: Any
+    grads_finite: Any
+    grad_norm: Any
+    nonfinite_leaves: Any
+    first_nonfinite_leaf: Any
+    skips_at_min_scale: Any
+    stalled: Any
+    compensation: Any = None
+    rounding_key: Any = None
+    policy: Policy = Policy()
+    storage: Storage | None = None
+
+
+def _map_states(tree: Any, kind: type, fn: Any) -> Any:
+    return jax.tree.map(lambda x: fn(x) if isinstance(x, kind) else x, tree,
+                        is_leaf=lambda x: isinstance(x, kind))
 
 
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
@@ -280,11 +420,7 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
                stall_after: int | None) -> MixedPrecisionState:
     finite = stats.finite
     skips_at_min, stalled = _stall_state(state, finite, stall_after)
-    return state._replace(
-        master_params=master,
-        inner_state=inner_state,
-        compensation=comp,
-        loss_scale=state.loss_scale.adjust(finite),
+    health = Health(
         applied_steps=_saturating_increment(state.applied_steps, finite),
         skipped_steps=_saturating_increment(state.skipped_steps, ~finite),
         grads_finite=finite,
@@ -294,6 +430,9 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
         skips_at_min_scale=skips_at_min,
         stalled=stalled,
     )
+    return state._replace(master=state.master._replace(params=master, compensation=comp),
+                          inner_state=inner_state, loss_scale=state.loss_scale.adjust(finite),
+                          health=health)
 
 
 def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: Any,
@@ -383,20 +522,12 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
     if moments is None:  # else stored_moments warns about the moments it leaves alone
         warn_half_second_moments(inner_state)
     return MixedPrecisionState(
-        master_params=master,
+        master=Master(master, comp,
+                      _rounding_key(seed) if _needs_key(storage, moments) else None),
         inner_state=inner_state,
         # Fresh buffers too: every init must survive another state's donation.
         loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
-        applied_steps=jnp.zeros((), jnp.int32),
-        skipped_steps=jnp.zeros((), jnp.int32),
-        grads_finite=jnp.array(True),
-        grad_norm=jnp.zeros((), jnp.float32),
-        nonfinite_leaves=jnp.zeros((), jnp.int32),
-        first_nonfinite_leaf=jnp.full((), -1, jnp.int32),
-        skips_at_min_scale=jnp.zeros((), jnp.int32),
-        stalled=jnp.array(False),
-        compensation=comp,
-        rounding_key=_rounding_key(seed) if _needs_key(storage, moments) else None,
+        health=Health.create(),
         policy=policy,
         storage=storage,
     )

@@ -479,8 +479,8 @@ def test_the_cli_stops_with_an_error_that_names_the_step_and_the_leaf(tmp_path):
     # The checkpoints written while it skipped are identical: no update was applied.
     assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6", "8"]
     assert_tree_bitwise_equal(ckpt[0]["params"], ckpt[1]["params"])
-    assert_tree_bitwise_equal(ckpt[0]["opt_state"]["master_params"],
-                              ckpt[1]["opt_state"]["master_params"])
+    assert_tree_bitwise_equal(ckpt[0]["opt_state"]["master"]["params"],
+                              ckpt[1]["opt_state"]["master"]["params"])
     assert_tree_bitwise_equal(ckpt[0]["opt_state"]["inner_state"],
                               ckpt[1]["opt_state"]["inner_state"])
 

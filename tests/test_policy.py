@@ -385,7 +385,7 @@ def test_tree_path_str_with_tuples_and_attributes():
         applied_steps=0, skipped_steps=0, grads_finite=True, grad_norm=0.0,
         nonfinite_leaves=0, first_nonfinite_leaf=-1, skips_at_min_scale=0, stalled=False)
     paths = [tree_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    assert paths[0] == "master_params/w/0"
+    assert paths[0] == "master/params/w/0"
 
 
 def test_param_compute_dtypes_with_override():

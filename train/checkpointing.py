@@ -75,16 +75,24 @@ def restore_latest(checkpoints: ocp.CheckpointManager, state: Any,
     if step is None:
         return state, 0
     step = int(step)
+    path = os.path.join(str(checkpoints.directory), str(step), "state")
+    # A checkpoint written before jaxamp.MixedPrecisionState was nested holds its fields flat:
+    # it restores into the flat layout of the state, which is then nested again.
+    flat = jaxamp.MixedPrecisionState.flat_layout(state)
+    target = state
     try:
-        check_checkpoint_matches(os.path.join(str(checkpoints.directory), str(step), "state"),
-                                 state)
-    except CheckpointMismatch:
-        checkpoints.close()
-        raise
+        check_checkpoint_matches(path, state)
+    except CheckpointMismatch as mismatch:
+        try:
+            check_checkpoint_matches(path, flat)
+        except CheckpointMismatch:
+            checkpoints.close()
+            raise mismatch from None
+        target = flat
     restored = checkpoints.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(state), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     batches.restore(tuple(restored.data))
-    return restored.state, step
+    return jaxamp.MixedPrecisionState.nested_layout(restored.state), step
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, state: Any, data_position: Any) -> None:
