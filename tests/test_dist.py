@@ -48,7 +48,7 @@ def test_twine_check_strict_passes_on_both_files(dist):
 def test_wheel_holds_the_library_and_nothing_else(dist):
     names = zipfile.ZipFile(_wheel(dist)).namelist()
     assert "jaxamp/py.typed" in names and "jaxamp/__init__.py" in names
-    assert "jaxamp/fp8.py" in names and "jaxamp/_autocast.py" in names
+    assert "jaxamp/fp8.py" in names and "jaxamp/_autocast/__init__.py" in names
     top = {name.split("/")[0] for name in names}
     assert top == {"jaxamp", f"jaxamp-{jaxamp.__version__}.dist-info"}, top
     outside = r"(train|tests|benchmarks|examples|notebooks|docs)/"

@@ -887,7 +887,7 @@ def test_autocast_runs_a_policys_fp8_recipe():
         calls.append(recipe)
         return real(*args, recipe=recipe, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("jaxamp._autocast.fp8_dot_general", spy)
+        mp.setattr("jaxamp._autocast._rules.fp8_dot_general", spy)
         loss, grads = jax.jit(jax.value_and_grad(jaxamp.autocast(loss_fn, policy)))(params,
                                                                                     batch)
     assert calls and all(r == rowwise for r in calls)

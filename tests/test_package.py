@@ -21,13 +21,13 @@ def test_no_module_imports_a_name_its_source_does_not_export():
     """Between the library's modules, a name imported from a public module must be in that
     module's ``__all__`` (private modules aside: they are the library's own)."""
     bad = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.module
                     and node.module.startswith("jaxamp.")):
                 continue
-            if node.module.rsplit(".", 1)[-1].startswith("_"):
-                continue
+            if any(part.startswith("_") for part in node.module.split(".")):
+                continue  # a private module, or one inside a private package
             exported = set(importlib.import_module(node.module).__all__)
             bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names
                     if a.name not in exported]

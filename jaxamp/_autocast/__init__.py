@@ -1,0 +1,291 @@
+"""Op-level automatic mixed precision: :func:`autocast`, the counterpart of ``torch.autocast``.
+
+``autocast(fn, policy)`` returns a function with ``fn``'s signature. Called, it traces ``fn`` to a
+jaxpr and evaluates that jaxpr again, equation by equation, under per-primitive dtype rules, with
+the rules' casts inserted. The result is an ordinary JAX function: it works under ``jax.grad``,
+``jit``, ``vmap``, ``pmap`` and ``shard_map``, and costs nothing at run time beyond its casts.
+
+The rules follow PyTorch's CUDA autocast lists (``aten/src/ATen/autocast_mode.cpp``):
+
+==============  ==========================================================================
+rule            primitives
+==============  ==========================================================================
+``compute``     ``dot_general``, ``conv_general_dilated``, ``ragged_dot``: operands cast to
+                the compute dtype, and the output too (``preferred_element_type``), so that
+                the backward pass's transposed matmuls meet a half-precision cotangent and
+                run in half precision as well. Accumulation is fp32 inside the kernel where
+                the backend does that (cuBLAS, cuDNN, XLA:CPU).
+``float32``     exp, exp2, log, log1p, expm1, logistic, erf, erfc, erf_inv, pow, rsqrt,
+                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, fft, and the
+                reductions ``reduce_sum`` and ``reduce_prod`` behind softmax, logsumexp,
+                normalization statistics and losses: floating inputs cast to fp32. Also
+                ``reduce_max``/``reduce_min`` (exact in any dtype), so that the sums in their
+                derivatives run in fp32 too.
+``promote``     everything else (add, mul, max, select_n, concatenate, reshapes, ...): the
+                floating inputs are cast to the widest of them; a weakly typed constant
+                (``x * 0.5``) adopts the others' dtype. A single-input op follows its input.
+``fp8``         ``dot_general`` under a policy with ``fp8=True`` (``mixed_fp8``): the operands
+                cast to the compute dtype, then quantized to e4m3 with current scaling, the
+                gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`), or with the policy's
+                ``fp8`` recipe (:class:`jaxamp.fp8.CurrentScaling`: rowwise or block
+                scales); the output is in the compute dtype. Convolutions keep the
+                ``compute`` rule: FP8 is for matmuls.
+``original``    the dtypes of ``fn`` as written: inside :func:`full_precision`, and for
+                ``custom_vjp`` functions, ``shard_map`` and ``pmap`` bodies and callbacks,
+                whose rules were written for those dtypes. ``fn`` is traced with its bf16
+                and fp16 arguments as fp32 (the train step hands it half-precision working
+                params), so these run in fp32 for a model written in fp32.
+==============  ==========================================================================
+
+Integer, boolean and PRNG-key values are never touched. Casts that ``fn`` itself makes to a
+dtype other than the one it is traced in (to half precision, JAX's own promotions) are kept, as
+``torch.autocast`` keeps them; a cast to fp32 of a value ``fn`` computes in fp32 is no op in the
+fp32 trace (mark such a region with ``fp32_scopes`` or :func:`full_precision`).
+As in torch, an fp32 op returns fp32, which the next matmul casts back to the compute dtype;
+what ``fn`` returns is cast to ``policy.output_dtype``.
+
+Nested jaxprs are entered: ``jit``/``pjit`` and ``closed_call`` inline, ``remat``/``checkpoint``
+(re-wrapped with its policy, which alone decides what is kept inside it, ``recompute=True``
+keeping its inputs and nothing more), ``scan`` and ``while`` (the carry keeps the dtype of its
+initial value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dtype), and
+``custom_jvp`` functions (``jax.nn.relu``, ``softplus``, ``softmax``): their primal body is
+evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
+be kept for a bf16 body.
+
+No value computed in fp32 is rounded to half on its way to the next fp32 op: ``fn`` is
+traced as written in fp32, so JAX's own casts back to a half dtype (``jnp.sum`` and
+``jnp.mean`` of a half array round their fp32 sum) are not in the program; an fp32 region
+(a norm's statistics, a softmax, a loss) keeps its statistics and sums in fp32, wherever they
+go next (a ``custom_jvp`` such as ``jax.nn.relu`` included), and every value that another fp32
+op reads next.
+
+Memory: an fp32 region is computed under ``jax.checkpoint`` from its half-precision inputs
+and hands its full-size results to the matmuls and elementwise ops that read them in the
+compute dtype, so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops'
+fp32 results. With
+``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
+``jax.checkpoint`` policy that keeps only the matmuls' outputs and operands (and those of
+collectives, sorts, pools and cumulative ops): the elementwise chains between matmuls (a
+tanh GELU, a residual add, a mask) are recomputed in the backward pass, as PyTorch's fused GELU,
+softmax and norms keep only their inputs. A matmul's operand is not kept either where at most
+16 elementwise ops (an fp32 region counting as one) compute it from kept matmul outputs and the
+arguments: attention keeps its scores and recomputes the softmax from them, an MLP keeps its
+first matmul's output and recomputes the GELU, so each keeps one tensor where it kept two (on an
+H200 the user's NNX GPT of the benchmarks needs 15.7 GB instead of 20.5). Each step of a ``scan``
+outside a model's remat runs under the same policy, its inputs kept: the backward scan
+recomputes a step in that step, where the forward scan would otherwise run again first and stack
+every step's recomputed values. The arguments and their casts are never saved under it.
+
+Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
+(flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one) runs, under a half
+compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
+(``lax.platform_dependent``: the choice follows the platform the program is lowered for, a
+deviceless compile for a GPU included), and as the XLA implementation under the rules above
+elsewhere. Autocast traces ``fn`` in fp32, where JAX traces the XLA implementation inline; it
+finds the call's equations in the jaxpr (:mod:`jaxamp._attention`: where they were traced,
+confirmed by tracing JAX's function again) and makes the choice itself. Nothing of JAX's is
+changed, so a function imported by name and a trace in another thread are the same. cuDNN's
+kernel keeps the output and fp32 row statistics for the backward pass, not the probabilities.
+Shapes and options the kernel does not take (JAX checks them when it traces the fused call),
+a call made inside an fp32 region, scope or :func:`full_precision` or under an FP8 policy,
+one that names its ``implementation``, and one that JAX's function traced again does not
+confirm (a ``vmap`` of the call, sequence lengths, a local window, the residual) keep the
+XLA implementation.
+
+Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
+or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
+region that runs exactly as written (torch's ``autocast(enabled=False)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import warnings
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp import fp8
+from jaxamp._autocast._casts import _as_written
+from jaxamp._autocast._casts import _cast
+from jaxamp._autocast._casts import _is_array
+from jaxamp._autocast._context import _FULL_PRECISION
+from jaxamp._autocast._context import _Call
+from jaxamp._autocast._context import _Context
+from jaxamp._autocast._interpreter import _evaluate
+from jaxamp._autocast._recompute import _saveable
+from jaxamp._autocast._rules import _RULES
+from jaxamp._autocast._rules import DEFAULT_RULES
+from jaxamp._policy import get_policy
+from jaxamp._tree import tree_path_str
+
+__all__ = ["DEFAULT_RULES", "autocast", "full_precision"]
+
+
+def full_precision(fn: Callable) -> Callable:
+    """Marks ``fn`` as a region that :func:`autocast` leaves exactly as written.
+
+    The counterpart of ``torch.autocast(enabled=False)``: every op inside runs in the dtypes
+    ``fn`` was traced with. Outside autocast it is ``fn`` itself (under a name scope).
+
+    >>> import jax.numpy as jnp
+    >>> def f(x, w):
+    ...     return full_precision(lambda a, b: a @ b)(x, w)
+    >>> autocast(f)(jnp.ones((2, 3)), jnp.ones((3, 4))).dtype  # the matmul stays in fp32
+    dtype('float32')
+    """
+    if not callable(fn):
+        raise TypeError(f"full_precision needs a callable, got {type(fn).__name__} {fn!r}")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.named_scope(_FULL_PRECISION):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
+             rules: Mapping[str, str] | None = None,
+             fp32_scopes: Sequence[str] = (), recompute: bool = True) -> Callable:
+    """Runs ``fn`` under per-op dtype rules: matmuls in the compute dtype, precision-sensitive
+    ops in fp32 (see the module docstring for the lists).
+
+    Args:
+      fn: any JAX-traceable function: a jnp function, an NNX module call, a Linen ``apply``,
+        an Equinox model. Array arguments (anything with a shape and a dtype) are traced; the
+        others (Python numbers, strings, flags) are passed through as static values.
+      policy: anything :func:`jaxamp.get_policy` accepts; its ``compute_dtype`` is the matmul
+        dtype and ``output_dtype`` the dtype of what ``fn`` returns.
+      rules: per-primitive overrides, ``{"exp": "compute"}``; a rule is one of ``compute``,
+        ``float32``, ``promote``, ``original`` or ``fp8`` (``dot_general`` only; the default
+        under the ``mixed_fp8`` policy).
+      fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
+        run in fp32, matmuls included. Linen modules open a scope named after the module,
+        Equinox's own layers one named after their class (``eqx.nn.Linear``); NNX modules and
+        the Equinox modules you write open none (use ``jax.named_scope`` there). A scope that
+        matches no op is warned about.
+      recompute: keep only the matmuls' outputs for the backward pass (and those of the few
+        other ops that are costly to run twice: collectives, sorts, pooling windows),
+        and recompute the elementwise ops between them, as PyTorch's fused GELU, softmax and
+        norms keep only their inputs. ``False`` keeps JAX's default: every intermediate the
+        derivative reads (a tanh GELU alone saves six tensors of its input's size). Functions
+        with side effects (``jax.debug.print``, callbacks) are never recomputed.
+
+    Returns:
+      A function with ``fn``'s signature.
+
+    >>> import jax, jax.numpy as jnp, jaxamp
+    >>> def loss(w, x):
+    ...     return jnp.mean(jnp.exp(x @ w))
+    >>> w, x = jnp.ones((4, 2)) * 0.1, jnp.ones((8, 4))
+    >>> report = jaxamp.audit_grad(autocast(loss), w, x)  # the forward and the backward pass
+    >>> report.share("bfloat16"), report.half_sensitive_ops  # every matmul bf16, exp in fp32
+    (1.0, [])
+    >>> round(float(autocast(loss)(w, x)), 2), autocast(loss)(w, x).dtype
+    (1.49, dtype('float32'))
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast needs a callable fn, got {type(fn).__name__} {fn!r}; pass the "
+                        "function to run in mixed precision, e.g. autocast(loss_fn, policy)")
+    policy = get_policy(policy)
+    if not jnp.issubdtype(policy.compute_dtype, jnp.floating):
+        raise TypeError(f"autocast needs a floating compute dtype, got {policy.compute_dtype}")
+    checked = _check_rules(rules)
+    if policy.fp8 and (rules is None or "dot_general" not in rules):
+        checked = {**checked, "dot_general": "fp8"}
+    context = _Context(policy.compute_dtype, checked, _check_scopes(fp32_scopes),
+                       regions=jnp.dtype(policy.compute_dtype) != jnp.float32,
+                       fp8_recipe=policy.fp8 if isinstance(policy.fp8, fp8.CurrentScaling)
+                       else fp8.CurrentScaling())
+    quantizes = "fp8" in checked.values()
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        leaves = [x for _, x in with_paths]
+        traced = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+        def flat_fn(*arrays):
+            full = list(leaves)
+            for i, x in zip(traced, arrays, strict=True):
+                full[i] = x
+            a, k = jax.tree.unflatten(treedef, full)
+            return fn(*a, **k)
+
+        arrays = [leaves[i] for i in traced]
+        # Only the FP8 rule asks which argument a matmul reads.
+        paths = [tree_path_str(with_paths[i][0]) for i in traced]
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[_as_written(x) for x in arrays])
+
+        recomputed = recompute and context.regions and not closed.effects
+
+        scopes_seen: dict = {}
+
+        def evaluate(*arrays):
+            ctx = dataclasses.replace(context, call=_Call(
+                scopes_seen=scopes_seen,
+                arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)}
+                if quantizes else {},
+                cheap={id(a): a for a in arrays} if recomputed else None,
+                near={} if recomputed else None))
+            outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
+            return [_cast(x, policy.output_dtype) for x in outs]
+        # Only under a half compute dtype; an effect would run again in the backward pass.
+        if recomputed:
+            evaluate = jax.checkpoint(evaluate, policy=_saveable)
+        outs = evaluate(*arrays)
+        _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    return wrapped
+
+
+def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:
+    if rules is None:
+        return DEFAULT_RULES
+    if not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a dict from primitive name to rule, got "
+                        f"{type(rules).__name__} {rules!r}; for example {{'exp': 'compute'}}")
+    for name, rule in rules.items():
+        if rule not in _RULES:
+            raise ValueError(f"unknown autocast rule {rule!r} for primitive {name!r}; expected "
+                             f"one of {', '.join(_RULES)}")
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+            raise ValueError(f"rules keys are primitive names such as 'exp' or 'dot_general', "
+                             f"got {name!r}")
+        if rule == "fp8" and name != "dot_general":
+            raise ValueError(f"rule 'fp8' is for 'dot_general' only, got it for {name!r}: FP8 "
+                             "convolutions and other primitives are not supported; keep them "
+                             "in the compute dtype ('compute')")
+    return {**DEFAULT_RULES, **rules}
+
+
+def _check_scopes(scopes: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(scopes, str):
+        scopes = (scopes,)
+    out = tuple(scopes)
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise TypeError(f"fp32_scopes must be non-empty name scopes (strings), got {s!r}; "
+                            "for example fp32_scopes=('head',)")
+    return out
+
+
+def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...], scopes_seen: dict) -> None:
+    if not fp32_scopes or any(scopes_seen.values()):
+        return
+    seen = sorted({s for s in scopes_seen if s})
+    shown = ", ".join(repr(s) for s in seen[:8]) + (", ..." if len(seen) > 8 else "")
+    warnings.warn(
+        f"autocast: fp32_scopes={fp32_scopes!r} matched no op, so nothing runs in fp32 "
+        f"because of them; the name scopes in this function are: {shown or 'none'}. Flax Linen "
+        "modules open a scope named after the module, Equinox's own layers one named "
+        "after their class; NNX modules and the Equinox modules you write open none, so "
+        "wrap the code in `with jax.named_scope('head'):` or use jaxamp.full_precision",
+        UserWarning, stacklevel=3)

@@ -1,0 +1,54 @@
+"""A ``jax.nn.dot_product_attention`` call found in the jaxpr, run as cuDNN's fused kernel
+where it can be (private)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+from jax import lax
+
+from jaxamp._autocast._casts import _cast
+from jaxamp._autocast._rules import _RULES
+from jaxamp._jaxpr import nested_stack
+
+if TYPE_CHECKING:
+    from jaxamp._autocast._context import _Context
+
+
+def _fused_attention(ctx: _Context, call: Any, read: Callable, outer: str,
+                     constant: set, body: Callable[..., Callable]) -> list | None:
+    """A ``jax.nn.dot_product_attention`` call under a half compute dtype: cuDNN's kernel
+    where the program is lowered for CUDA, JAX's XLA implementation under the rules
+    elsewhere. None where the fused kernel is not an option (a rule other than the default
+    on its matmul: an fp32 scope, :func:`full_precision`, an fp32 region; a shape or dtype
+    cuDNN does not take): its equations then run one by one. ``body`` is the interpreter's
+    way to evaluate a jaxpr under the rules."""
+    stack = nested_stack(call.scores, outer)
+    if ctx.rule(call.scores, stack) is not _RULES["compute"]:
+        return None
+    options = dict(call.options)
+    has_bias, has_mask = options.pop("bias"), options.pop("mask")
+    it = iter([read(v) for v in call.inputs])
+    q, k, v = (_cast(next(it), ctx.compute) for _ in range(3))
+    bias = _cast(next(it), ctx.compute) if has_bias else None
+    mask = next(it) if has_mask else None
+    # Elsewhere its own equations, as they were traced (in a shard_map too), under the rules.
+    explicit_body = body(ctx, call.equations, outer, [v in constant for v in call.reads],
+                          attention=False)
+
+    def fused(q, k, v, bias, mask, *_):
+        out = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="cudnn",
+                                           **options)
+        return [out]
+
+    def explicit(q, k, v, bias, mask, *reads):
+        return [_cast(x, ctx.compute) for x in explicit_body(*reads)]
+    try:  # JAX checks cuDNN, the dtypes, head size and masks when it traces the call
+        jax.eval_shape(fused, q, k, v, bias, mask)
+    except Exception:  # noqa: BLE001 - any refusal means: not this kernel
+        return None
+    return lax.platform_dependent(q, k, v, bias, mask, *[read(v) for v in call.reads],
+                                  cuda=fused, default=explicit)[0]

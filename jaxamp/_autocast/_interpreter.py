@@ -1,0 +1,133 @@
+"""Autocast's interpreter: a jaxpr evaluated again, equation by equation, under the rules
+(private)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax.extend import source_info_util
+
+from jaxamp._attention import find_calls as attention_calls
+from jaxamp._autocast._context import _Context
+from jaxamp._autocast._fused import _fused_attention
+from jaxamp._autocast._near import _mark_near
+from jaxamp._autocast._recompute import _VIEWS
+from jaxamp._autocast._recompute import _each_scan_step
+from jaxamp._autocast._recompute import _entering_model_remat
+from jaxamp._autocast._recompute import _recomputed_in_its_step
+from jaxamp._autocast._regions import _feeds_only_matmuls
+from jaxamp._autocast._regions import _is_seed
+from jaxamp._autocast._regions import _Level
+from jaxamp._autocast._regions import _run_region
+from jaxamp._jaxpr import HIGHER_ORDER
+from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import evaluate
+from jaxamp._jaxpr import nested_stack
+from jaxamp._tree import is_floating_array
+
+
+def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
+              const_args: Sequence[bool] | None = None, attention: bool = True) -> list:
+    """Evaluates ``jaxpr`` under the rules: the package's one loop
+    (:func:`jaxamp._jaxpr.evaluate`), each equation by :func:`_run_equation`, an attention
+    call taken whole (``attention``: but in the body of one), and an fp32 region taken whole
+    where a seed opens one. ``const_args`` flags the arguments that are compile-time constants
+    in the caller (a Python number passed to a jitted function)."""
+    constant = _constants(jaxpr, const_args)
+    level = _Level(jaxpr) if ctx.regions else None
+    calls = (attention_calls(jaxpr) if attention and ctx.regions
+             and ctx.rules.get("dot_general") != "fp8" else {})
+
+    def take(i: int, eqn: Any, env: dict, read: Callable) -> set[int] | None:
+        call = calls.get(i)
+        if call is not None:
+            out = _fused_attention(ctx, call, read, outer, constant, _body)
+            if out is not None:
+                env[call.output] = out
+                return set(call.indices)
+        if (level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
+                or _feeds_only_matmuls(level, i)):
+            return None
+        done: set[int] = set()
+        _run_region(ctx, level, i, env, read, done, outer, constant, _run_equation, _body)
+        return done | {i}
+
+    return evaluate(jaxpr, consts, args, equation=lambda eqn, read: _run_equation(
+        ctx, eqn, read, outer, constant), take=take)
+
+
+def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
+    """The variables that are compile-time constants: closed-over constants, constant
+    arguments, and what is computed from them alone. A constant adopts the dtype of the
+    traced values it meets, as a weakly typed Python number does."""
+    constant = set(jaxpr.constvars)
+    if const_args is not None:
+        constant.update(v for v, c in zip(jaxpr.invars, const_args, strict=True) if c)
+    for eqn in jaxpr.eqns:
+        if not eqn.effects and all(isinstance(v, Literal) or v in constant
+                                   for v in eqn.invars):
+            constant.update(eqn.outvars)
+    return constant
+
+
+def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
+                  constant: set) -> list:
+    # The new equations keep the user's source line and name scope, as eval_jaxpr does.
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+          eqn.ctx.manager):
+        const_in = [isinstance(v, Literal) or v in constant for v in eqn.invars]
+        invals = [read(v) for v in eqn.invars]
+        outs = _equation(ctx, eqn, invals, outer, const_in)
+        if (eqn.primitive.name == "convert_element_type" and is_floating_array(invals[0])
+                and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
+                and jnp.dtype(invals[0].dtype) != jnp.float32):
+            ctx.call.upcasts[id(outs[0])] = (outs[0], invals[0])
+        if (ctx.call.cheap is not None and eqn.primitive.name in _VIEWS and invals
+                and id(invals[0]) in ctx.call.cheap):
+            ctx.call.cheap[id(outs[0])] = outs[0]
+        if eqn.primitive.name in _VIEWS and invals:
+            path = ctx.call.argument_path(invals[0])
+            if path is not None:
+                ctx.call.arguments[id(outs[0])] = (outs[0], path)
+        if ctx.call.near is not None and eqn.primitive.name not in MATMULS:
+            _mark_near(ctx, eqn, invals, outs, outer,
+                       [isinstance(v, Literal) or v in constant for v in eqn.invars])
+    return outs
+
+
+def _body(ctx: _Context, closed: Any, stack: str,
+          const_args: Sequence[bool] | None = None, attention: bool = True) -> Callable:
+    """A closed (or open) jaxpr as a function evaluated under the rules."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    consts = list(getattr(closed, "consts", ()))
+    return lambda *args: _evaluate(ctx, jaxpr, consts, list(args), stack, const_args,
+                                   attention)
+
+
+def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
+              const_in: Sequence[bool]) -> list:
+    name = eqn.primitive.name
+    stack = nested_stack(eqn, outer)
+    rule = ctx.rule(eqn, stack)
+    higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
+    if higher_order is not None and higher_order.run is not None:
+        is_remat = higher_order.kind == "remat"
+        inner = ctx if ctx.remat_body == is_remat else dataclasses.replace(ctx,
+                                                                         remat_body=is_remat)
+        if is_remat and ctx.call.cheap is not None:
+            invals, inner = _entering_model_remat(inner, eqn, invals)
+        each_step_recomputed = (name == "scan" and ctx.call.cheap is not None
+                                and ctx.model_remat is None)
+
+        def enter(body, const_args=None):
+            run = _body(inner, body, stack, const_args)
+            return _recomputed_in_its_step(ctx, run) if each_step_recomputed else run
+        return higher_order.run(eqn, invals, enter, const_in, each_step=_each_scan_step(ctx))
+    rule = rule.for_inputs(ctx, eqn, invals)
+    return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))

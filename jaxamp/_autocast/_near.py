@@ -1,0 +1,77 @@
+"""Values near the kept matmul outputs: recomputed in the backward pass, not saved (private)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._autocast._recompute import _VIEWS
+from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import body as _jaxpr_body
+from jaxamp._jaxpr import nested_stack
+from jaxamp._jaxpr import sub_jaxprs
+from jaxamp._tree import is_floating_array
+
+if TYPE_CHECKING:
+    from jaxamp._autocast._context import _Context
+
+
+_NEAR_DEPTH = 16
+
+
+def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) -> int | None:
+    """How many elementwise ops ``values`` are from saved matmul outputs and cheap values
+    (the deepest of them); ``None`` where one of them is not near."""
+    near, cheap = ctx.call.near or {}, ctx.call.cheap or {}
+    depth = 0
+    for x, c in zip(values, const_in, strict=True):
+        if c or not is_floating_array(x) or id(x) in cheap:
+            continue
+        entry = near.get(id(x))
+        if entry is None or entry[0] is not x:
+            return None
+        depth = max(depth, entry[1])
+    return depth
+
+
+def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
+               const_in: Sequence[bool]) -> None:
+    """Records the outputs of an elementwise op on near values as near."""
+    if ctx.call.near is None or (eqn.primitive.name not in _VIEWS
+                            and not _pure_elementwise_like(ctx, eqn, outer)):
+        return
+    depth = _near_depth(ctx, invals, const_in)
+    if depth is None:
+        return
+    _set_near(ctx, outs, depth + (0 if eqn.primitive.name in _VIEWS else 1))
+
+
+def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
+    """Records the floating ``outs`` as ``depth`` elementwise ops from kept values, within
+    ``_NEAR_DEPTH``."""
+    if ctx.call.near is not None and depth <= _NEAR_DEPTH:
+        for x in outs:
+            if is_floating_array(x):
+                ctx.call.near[id(x)] = (x, depth)
+
+
+def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
+    """An equation a region may hold: no effect, no matmul, no key, and no nested jaxpr but
+    a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
+    if eqn.effects:
+        return False
+    body = _jaxpr_body(eqn, ("call",))
+    if body is not None:
+        stack = nested_stack(eqn, outer)
+        return all(_pure_elementwise_like(ctx, e, stack)
+                   for e in getattr(body, "jaxpr", body).eqns)
+    if next(sub_jaxprs(eqn), None) is not None or eqn.primitive.name in MATMULS:
+        return False
+    dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
+    if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
+        return False
+    return ctx.rule(eqn, nested_stack(eqn, outer)).joins_region

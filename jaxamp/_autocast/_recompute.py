@@ -1,0 +1,131 @@
+"""What autocast keeps for the backward pass under ``recompute=True``, and what it recomputes
+(private)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxamp import fp8
+from jaxamp import ops
+from jaxamp._jaxpr import MATMULS
+from jaxamp._tree import is_floating_array
+
+if TYPE_CHECKING:
+    from jaxamp._autocast._context import _Context
+
+
+# Outputs kept for the backward pass under ``recompute=True``: the matmuls', and those of the
+# few other ops that are costly to run twice (collectives, sorts, linear algebra, pooling
+# windows). Everything else between them is recomputed from these. Not an FFT's: it runs in
+# fp32 and its output is complex, which jax.checkpoint's saved values do not take on jax 0.10
+# ("reduce_precision does not accept dtype complex64"); it runs again from its saved input.
+_SAVED = frozenset((*MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fwd",
+                    "dot_product_attention_fwd_wrapper", "psum", "psum_invariant", "pmax",
+                    "pmin", "all_gather", "all_gather_invariant", "all_to_all", "ppermute",
+                    "reduce_scatter", "psum_scatter", "sort", "top_k", "cholesky", "lu",
+                    "qr", "eigh", "svd", "triangular_solve", "reduce_window_sum",
+                    "reduce_window_max", "reduce_window_min", "reduce_window", "cumsum",
+                    "cumlogsumexp", "cumprod", "cummax", "cummin"))
+
+
+_OPERAND = "jaxamp_matmul_operand"
+
+
+_KEPT = "jaxamp_kept"
+
+
+_VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+          "expand_dims", "copy")
+
+
+def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+    """The ``jax.checkpoint`` policy of ``recompute=True``: the outputs of ``_SAVED`` ops and
+    the matmuls' operands (named ``_OPERAND``), which their transposes read. The matmuls'
+    outputs are named (``_KEPT``) where autocast binds them outside a model's own remat, and
+    inside one where the model's policy saves them, so that the model's remat is kept: JAX
+    applies the outermost policy inside a nested ``jax.checkpoint``. An FP8 matmul keeps its
+    8-bit operands and its output (named), not its fp32 accumulator;
+    ``jaxamp.ops.linear_softmax_cross_entropy`` its gradients (named ``ops.SAVED_NAME``), not
+    its chunk loop to run again."""
+    del avals
+    if prim.name == "name":
+        return params.get("name") in (_KEPT, _OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME,
+                                      ops.SAVED_NAME)
+    return prim.name in _SAVED and prim.name not in MATMULS
+
+
+def _nothing_saveable(*_: Any, **__: Any) -> bool:
+    """A model remat's policy ``None``: it saves nothing but its inputs."""
+    return False
+
+
+def _keeps(ctx: _Context, prim: Any, invals: list, params: Any) -> bool:
+    """Whether the outputs of ``prim`` are kept for the backward pass (named ``_KEPT``): a
+    matmul's outside a model's remat, and inside one whatever the model's policy saves."""
+    if ctx.call.cheap is None:
+        return False
+    if ctx.model_remat is None:
+        return prim.name in MATMULS
+    try:
+        return ctx.model_remat(prim, *[jax.typeof(x) for x in invals], **params) is True
+    except Exception:  # noqa: BLE001 - a policy that cannot judge saves nothing extra
+        return False
+
+
+def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
+    """A scan's body under ``recompute=True``, outside a model's remat: under
+    ``jax.checkpoint`` with autocast's policy, so that the backward pass recomputes each step's
+    values in that step, from the step's inputs (kept, stacked by the scan). Without it, the
+    checkpoint around the whole function runs the forward scan again before the backward one,
+    and stacks every step's recomputed values (a layer-scanned transformer's attention
+    probabilities, of all its layers at once). The arguments keep inside the checkpoint's
+    trace what the evaluation knows of them (cheap, or near kept values)."""
+    def step(*args):
+        args = _kept(ctx, args)
+
+        def body(*traced):
+            for outer, x in zip(args, traced, strict=True):
+                ctx.call.inherit(x, outer)
+            return run(*traced)
+        # Inside a scan, no CSE can merge the recomputation with the forward pass (JAX's
+        # advice for remat in scan), and barriers would only hinder XLA.
+        return jax.checkpoint(body, policy=_saveable, prevent_cse=False)(*args)
+    return step
+
+
+def _entering_model_remat(ctx: _Context, eqn: Any, invals: list) -> tuple[list, _Context]:
+    """A model's own ``jax.checkpoint`` under ``recompute=True``: its inputs are kept (named
+    ``_KEPT``: what the model's remat saves, where autocast's policy would recompute them from
+    further back), the arguments and their casts aside; inside, its policy alone decides."""
+    if ctx.model_remat is not None:  # nested: the outermost model remat's policy rules
+        return invals, ctx
+    policy = eqn.params.get("policy") or _nothing_saveable
+    return _kept(ctx, invals), dataclasses.replace(ctx, model_remat=policy)
+
+
+def _kept(ctx: _Context, values: Sequence[Any]) -> list:
+    """``values`` named ``_KEPT`` for the backward pass, the arguments and their casts aside
+    (cheap: recomputed)."""
+    cheap = ctx.call.cheap or {}
+    return [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap else x
+            for x in values]
+
+
+def _each_scan_step(ctx: _Context) -> Callable[[list, list], None] | None:
+    """Under ``recompute=True``, a slice of a cheap stacked array is cheap too."""
+    cheap = ctx.call.cheap
+    if cheap is None:
+        return None
+
+    def each_step(slices: list, stacked: list) -> None:
+        for x, whole in zip(slices, stacked, strict=True):
+            if id(whole) in cheap:
+                cheap[id(x)] = x
+    return each_step

@@ -1,0 +1,221 @@
+"""Autocast's rules, as objects: how each kind of primitive casts its inputs and binds (private)."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxamp import _fp8_errors
+from jaxamp._autocast._casts import _ELEMENTWISE
+from jaxamp._autocast._casts import _broadcast
+from jaxamp._autocast._casts import _broadcast_operands
+from jaxamp._autocast._casts import _cast
+from jaxamp._autocast._casts import _cast_constant
+from jaxamp._autocast._casts import _downcast_source
+from jaxamp._autocast._casts import _is_half_broadcast
+from jaxamp._autocast._near import _set_near
+from jaxamp._autocast._recompute import _KEPT
+from jaxamp._autocast._recompute import _OPERAND
+from jaxamp._autocast._recompute import _keeps
+from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import where
+from jaxamp._tree import is_floating_array
+from jaxamp._tree import wider_float
+from jaxamp.fp8 import fp8_dot_general
+
+if TYPE_CHECKING:
+    from jaxamp._autocast._context import _Context
+
+
+_FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "pow",
+            "rsqrt", "sqrt", "cbrt", "tan", "lgamma", "digamma", "cumsum", "cumprod",
+            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "fft")
+
+
+# Primitives whose rules were written for the dtypes they were traced with.
+_ORIGINAL = ("custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "xla_pmap", "pmap",
+             "debug_callback", "pure_callback", "io_callback", "custom_transpose_call",
+             "custom_lin")
+
+
+DEFAULT_RULES: Mapping[str, str] = {
+    **{name: "compute" for name in MATMULS},
+    **{name: "float32" for name in _FLOAT32},
+    **{name: "original" for name in _ORIGINAL},
+}
+
+
+class _Rule:
+    """``"promote"``: the widest floating input, weakly typed constants aside (the rule of
+    every primitive not in ``DEFAULT_RULES``). The other rules change what differs."""
+
+    enters_bodies = True  # a jit, remat, scan, while or cond is evaluated under the rules
+    rewrites = True  # a half-precision broadcast's gradient is summed in fp32
+    opens_region = False  # on a half-precision input, it starts an fp32 region
+    joins_region = True  # an fp32 region grows over it
+
+    def for_inputs(self, ctx: _Context, eqn: Any, invals: list) -> _Rule:
+        """The rule these inputs get (an FP8 matmul of integers is a plain one)."""
+        del ctx, eqn, invals
+        return self
+
+    def cast(self, ctx: _Context, eqn: Any, invals: list, const_in: Sequence[bool]) -> list:
+        del ctx
+        strong = [jnp.dtype(x.dtype) for x, v, c in zip(invals, eqn.invars, const_in,
+                                                        strict=True)
+                  if is_floating_array(x) and not c and not getattr(v.aval, "weak_type", False)]
+        floats = strong or [jnp.dtype(x.dtype) for x in invals if is_floating_array(x)]
+        if not floats:
+            return invals
+        target = functools.reduce(wider_float, floats)
+        # A no-op for inputs already in target.
+        return [_cast_constant(x, target) if c else _cast(x, target)
+                for x, c in zip(invals, const_in, strict=True)]
+
+    def preferred(self, ctx: _Context, invals: list, current: Any) -> Any:
+        """A matmul's ``preferred_element_type`` (its accumulation and output dtype)."""
+        del ctx
+        if current is None:
+            return None
+        return functools.reduce(wider_float, [jnp.dtype(x.dtype) for x in invals
+                                         if is_floating_array(x)])
+
+    def bind(self, ctx: _Context, eqn: Any, invals: list) -> list:
+        if self.rewrites and eqn.primitive.name in _ELEMENTWISE:
+            invals = _broadcast_operands(eqn, invals)
+        if self.rewrites and _is_half_broadcast(eqn, invals):
+            x = invals[0]
+            return [_broadcast(x, tuple(eqn.outvars[0].aval.shape),
+                               tuple(eqn.params["broadcast_dimensions"]),
+                               eqn.params.get("sharding"))]
+        params = dict(eqn.params)
+        if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
+            params["preferred_element_type"] = self.preferred(ctx, invals,
+                                                              params["preferred_element_type"])
+        if (ctx.call.cheap is not None and ctx.model_remat is None
+                and eqn.primitive.name in MATMULS):
+            invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
+                      and id(x) not in ctx.call.cheap and id(x) not in (ctx.call.near or {}) else x
+                      for x in invals]
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        outs = out if eqn.primitive.multiple_results else [out]
+        if _keeps(ctx, eqn.primitive, invals, params):
+            outs = [checkpoint_name(x, _KEPT) if is_floating_array(x) else x for x in outs]
+        if eqn.primitive.name in MATMULS:
+            _set_near(ctx, outs, 0)  # saved (``_SAVED``)
+        return outs
+
+
+class _Compute(_Rule):
+    """``"compute"``: every floating input in the compute dtype (matmuls)."""
+
+    joins_region = False
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del eqn, const_in
+        outs = []
+        for x in invals:
+            source = _downcast_source(ctx, x)
+            out = _cast(source, ctx.compute)
+            ctx.call.inherit(out, x, source)  # the cast of an argument: recomputed, not saved
+            outs.append(out)
+        return outs
+
+    def preferred(self, ctx, invals, current):
+        del invals, current
+        return jnp.dtype(ctx.compute)
+
+
+class _Float32(_Rule):
+    """``"float32"``: every input in fp32 (precision-sensitive ops)."""
+
+    opens_region = True
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del ctx, eqn, const_in
+        return [_cast(x, jnp.float32) for x in invals]
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals
+        return current
+
+
+class _EverythingFloat32(_Float32):
+    """An op in one of ``fp32_scopes``: fp32 in and out, matmuls included (no region: it is
+    all fp32 already)."""
+
+    opens_region = joins_region = False
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals, current
+        return jnp.dtype(jnp.float32)
+
+
+class _Original(_Rule):
+    """``"original"``: the dtypes it was traced with (rules written for them)."""
+
+    enters_bodies = False
+    rewrites = False
+    joins_region = False
+
+    def cast(self, ctx, eqn, invals, const_in):
+        del ctx, const_in
+        return [_cast(x, v.aval.dtype) if is_floating_array(x) else x
+                for x, v in zip(invals, eqn.invars, strict=True)]
+
+    def preferred(self, ctx, invals, current):
+        del ctx, invals
+        return current
+
+
+class _Fp8(_Compute):
+    """``"fp8"``: a ``dot_general`` in FP8 with current scaling, from compute-dtype inputs."""
+
+    def for_inputs(self, ctx, eqn, invals):
+        """The compute rule for integers, for an operand read from an argument the recipe
+        keeps (the head), and for a batched matmul of two computed values (attention) unless
+        the recipe quantizes those."""
+        if not all(is_floating_array(x) for x in invals):
+            return _RULES["compute"]
+        recipe = ctx.fp8_recipe
+        paths = [ctx.call.argument_path(x) for x in invals]
+        if recipe.keep and any(p is not None and re.search(recipe.keep, p) for p in paths):
+            return _RULES["compute"]
+        batch_dims = eqn.params["dimension_numbers"][1][0]
+        if batch_dims and not recipe.batched and all(p is None for p in paths):
+            return _RULES["compute"]
+        return self
+
+    def bind(self, ctx, eqn, invals):
+        lhs, rhs = invals
+        dims = eqn.params["dimension_numbers"]
+        probe = _fp8_errors.active_probe()
+        if probe is not None:  # jaxamp.fp8.error_report: each GEMM against its fp32 twin
+            # Named by the argument it reads, the rhs's first (``x @ w``: the weight).
+            paths = [ctx.call.argument_path(x) for x in reversed(invals)]
+            site = probe.site(_fp8_errors.argument_name(next((p for p in paths if p), None))
+                              or where(eqn), lhs, rhs)
+            return [_fp8_errors.probed_dot(probe, site, lhs, rhs, dims, ctx.compute,
+                                           ctx.fp8_recipe)]
+        return [fp8_dot_general(lhs, rhs, dims, preferred_element_type=ctx.compute,
+                                recipe=ctx.fp8_recipe)]
+
+
+_RULES: dict[str, _Rule] = {"compute": _Compute(), "float32": _Float32(), "promote": _Rule(),
+                            "original": _Original(), "fp8": _Fp8()}
+
+
+_ORIGINAL_RULE = _RULES["original"]
+
+
+_FLOAT32_RULE = _RULES["float32"]
+
+
+_EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
