@@ -191,14 +191,17 @@ class MixedPrecisionState(_State):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> MixedPrecisionState:
         """The fields, or (as before the state was nested) the flat names of :attr:`master`
-        and :attr:`health` as keywords."""
-        flat = {k: kwargs.pop(k) for k in list(kwargs)
-                if k in _MASTER_NAMES or k in ("compensation", "rounding_key")
-                or k in Health._fields}
-        if flat:
-            kwargs["master"] = Master(flat.pop("master_params"), flat.pop("compensation", None),
-                                      flat.pop("rounding_key", None))
-            kwargs["health"] = Health(**flat)
+        and :attr:`health` as keywords, merged into ``master=``/``health=`` when those are
+        given too."""
+        master = {_MASTER_NAMES.get(k, k): kwargs.pop(k) for k in list(kwargs)
+                  if k in _MASTER_NAMES or k in ("compensation", "rounding_key")}
+        health = {k: kwargs.pop(k) for k in list(kwargs) if k in Health._fields}
+        if master:
+            kwargs["master"] = (kwargs["master"]._replace(**master) if "master" in kwargs
+                                else Master(**master))
+        if health:
+            kwargs["health"] = (kwargs["health"]._replace(**health) if "health" in kwargs
+                                else Health(**health))
         return super().__new__(cls, *args, **kwargs)
 
     # The state's flat names, read-only: a field of :attr:`master` or :attr:`health`.

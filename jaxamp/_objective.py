@@ -78,7 +78,7 @@ class Objective:
                       model_state if self.has_model_state else None, rng)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Scaled:
     """``loss * scale`` of one micro-batch as a function of the params and the handed
     model-state nodes: ``fn(params, handed) -> (loss * scale, (loss, new_model_state, aux))``.

@@ -1,10 +1,10 @@
 """Overflow diagnostics: ``explain_overflow`` re-runs one step, op by op, outside the fast path.
 
 The fast path only says *that* a step's gradients were non-finite (and which param leaf, see
-``metrics["first_nonfinite_leaf"]``). ``explain_overflow(state, batch, loss_fn)`` evaluates the
-scaled loss and its gradient equation by equation, eagerly, and records where the first inf or
-nan appears in each layer (its name scope, or else its source line), in forward order and then
-in backward order, plus every param whose gradient is non-finite.
+``metrics["first_nonfinite_leaf"]``). ``explain_overflow(state, batch, step)`` evaluates the
+scaled loss of the step's objective and its gradient equation by equation, eagerly, and records
+where the first inf or nan appears in each layer (its name scope, or else its source line), in
+forward order and then in backward order, plus every param whose gradient is non-finite.
 """
 
 from __future__ import annotations

@@ -856,7 +856,12 @@ def find_fp8_states(tree: Any) -> list[Fp8State]:
 def replace_fp8_states(tree: Any, states: Sequence[Fp8State]) -> Any:
     """``tree`` with its :class:`Fp8State` nodes replaced, in tree order, by ``states`` (as
     many as it holds)."""
-    return _model_state.replace(tree, list(states), what="the tree", kind=Fp8State)
+    states = list(states)
+    held = len(find_fp8_states(tree))
+    if held != len(states):
+        raise ValueError(f"the tree holds {held} Fp8State(s) but {len(states)} were given; "
+                         "pass one state for each, in tree order")
+    return _model_state.replace(tree, states, kind=Fp8State)
 
 
 def with_loss_scale(state: Fp8State, loss_scale: ArrayLike) -> Fp8State:

@@ -962,3 +962,15 @@ def test_the_error_report_leaves_out_what_the_recipe_keeps_and_needs_an_fp8_poli
     assert [m.site for m in report.matmuls] == ["args[0]/w1"]
     with pytest.raises(ValueError, match="error_report measures FP8 matmuls, and policy"):
         fp8.error_report(_two_layers, p, jnp.ones((2, 4)), policy="mixed_bfloat16")
+
+
+def test_fp8_states_are_found_and_replaced_in_tree_order():
+    tree = {"b": fp8.Fp8State.create(fp8.DelayedScaling(history_length=2)), "a": [1.0],
+            "c": fp8.Fp8State.create(fp8.DelayedScaling(history_length=3))}
+    found = fp8.find_fp8_states(tree)
+    assert [s.amax_history.shape for s in found] == [(3, 2), (3, 3)]
+    swapped = fp8.replace_fp8_states(tree, found[::-1])
+    assert [s.amax_history.shape for s in fp8.find_fp8_states(swapped)] == [(3, 3), (3, 2)]
+    assert swapped["a"] == [1.0]
+    with pytest.raises(ValueError, match=r"holds 2 Fp8State\(s\) but 1 were given"):
+        fp8.replace_fp8_states(tree, found[:1])

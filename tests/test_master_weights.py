@@ -869,3 +869,26 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
     new_state, _ = jax.jit(jaxamp.make_train_step(loss))(state, x)
     assert new_state.params["w1"].sharding.spec == P(None, "model")
     assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
+
+
+def test_the_state_takes_its_flat_names_beside_its_nested_fields():
+    """The names of the state before it was nested read, replace and construct the fields of
+    ``master`` and ``health``; given beside ``master=``/``health=`` they are merged in."""
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16", master="kahan")
+    s = tx.init({"w": jnp.ones(2)})
+    assert s.compensation is s.master.compensation and s.stalled is s.health.stalled
+    five = jnp.int32(5)
+    built = jaxamp.MixedPrecisionState(master=s.master, inner_state=s.inner_state,
+                                       loss_scale=s.loss_scale, health=s.health,
+                                       skipped_steps=five, policy=s.policy, storage=s.storage)
+    assert built.health.skipped_steps is five and built.master is s.master
+    assert built.health.applied_steps is s.health.applied_steps
+    replaced = s._replace(master_params={"w": jnp.zeros(2)}, skipped_steps=five)
+    assert replaced.master.compensation is s.master.compensation
+    assert float(replaced.master.params["w"][0]) == 0.0 and replaced.skipped_steps is five
+    flat = jaxamp.MixedPrecisionState(
+        master_params=s.master_params, inner_state=s.inner_state, loss_scale=s.loss_scale,
+        compensation=s.compensation, rounding_key=s.rounding_key, policy=s.policy,
+        storage=s.storage, **s.health._asdict())
+    assert jax.tree.structure(flat) == jax.tree.structure(s)
+    assert_tree_bitwise_equal(jax.tree.leaves(flat), jax.tree.leaves(s))
