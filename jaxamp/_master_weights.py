@@ -329,11 +329,6 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
 
-def _needs_key(storage: Storage, moments: Moments | None) -> bool:
-    """Whether the transform rounds stochastically: a stochastic master or bf16 moments."""
-    return storage.needs_key or (moments is not None and moments.rounds_stochastically)
-
-
 def _step_key(state: MixedPrecisionState) -> Any:
     """This step's rounding key: the state's key folded with the count of applied steps (so a
     skipped step leaves the key, and the next applied step draws what it would have)."""
@@ -363,17 +358,17 @@ def _check_working_dtypes(params: list, paths: list, work_dtypes: tuple, policy:
                 "nnx.state(model, nnx.Param))))")
 
 
-def _apply(inner, extra_args, storage: Storage, rounds_moments: bool, scale, master, comp,
-           inner_state, params, grads, key):
+def _apply(inner, extra_args, storage: Storage, scale, master, comp, inner_state, params,
+           grads, key):
     """The finite branch: unscale, run ``inner`` on each param's fp32 value, store the new
-    values (master, compensation or rounded param); ``rounds_moments``: ``inner`` is
-    :func:`stored_moments` in bf16, which takes its key as an extra argument."""
+    values (master, compensation or rounded param); with ``storage.rounds_moments``, ``inner``
+    is :func:`stored_moments` in bf16, which takes its key as an extra argument."""
     grads = scale.unscale(grads)  # fp32, with the scale used for this step (pre-adjust)
     view = storage.view(params, master, comp)
     param_key = moment_key = None
     if key is not None:
         param_key, moment_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-    if rounds_moments:
+    if storage.rounds_moments:
         extra_args = {**extra_args, "rounding_key": moment_key}
     inner_updates, new_inner = inner.update(grads, inner_state, view, **extra_args)
     new_view = optax.apply_updates(view, inner_updates)
@@ -438,8 +433,7 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
                           health=health)
 
 
-def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: Any,
-                         moments: Moments | None) -> None:
+def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: Any) -> None:
     """The state must hold what this transform's storage reads: the state of another
     ``master=`` option (or of other params) would be read wrongly."""
     paths = [tree_path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -450,9 +444,9 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
             f"{storage.option!r}) under policy {state.policy} does not expect: the state was "
             "built by another master= option or for other params. Build the state with the "
             "same transform that updates it (tx.init).")
-    if _needs_key(storage, moments) and state.rounding_key is None:
+    if storage.needs_key and state.rounding_key is None:
         raise ValueError(
-            f"mixed_precision(..., master={storage.option!r}, moments_dtype={moments})"
+            f"mixed_precision(..., master={storage.option!r}, moments_dtype={storage.moments})"
             " rounds stochastically but the optimizer state holds no rounding key: it was "
             "built by another transform. Build the state with the same transform (tx.init).")
     if state.storage is not None and state.storage != storage:
@@ -462,6 +456,20 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
             f"master= option than this transform's (master={storage.option!r}, policy "
             f"{state.policy}). Build the state with the same transform that updates it "
             "(tx.init).")
+
+
+def _storage_for(state: MixedPrecisionState, policy: Policy, params: Any, option: str,
+                 moments: Moments | None) -> Storage:
+    """The storage the state carries (static: fixed by ``tx.init``), once this transform's
+    options are the ones it was built with. It is built afresh only for a state that carries
+    none, or to say what differs (the state of another transform would be read wrongly)."""
+    carried = state.storage
+    if (carried is not None and carried.option == option and carried.moments == moments
+            and state.policy == policy):
+        return carried
+    storage = Storage.build(policy, params, option, moments)
+    _check_state_matches(storage, state, params)
+    return storage
 
 
 def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
@@ -474,10 +482,9 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
                           against="params tree passed to update")
     _check_same_structure(params, state.master_params, what="params passed to update")
     paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    storage = Storage.build(policy, params, master_option)
+    storage = _storage_for(state, policy, params, master_option, moments)
     _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
                           storage.work_dtypes, policy)
-    _check_state_matches(storage, state, params, moments)
     if pin_grad_layout:  # deprecated here: make_train_step(pin_grad_layout=...)
         updates = row_major_grads(updates)
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
@@ -495,9 +502,7 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     # are not finite.
     master, comp, inner_state, targets = skip_or_apply(
         _resolve_skip(skip), stats.finite,
-        functools.partial(_apply, inner, extra_args, storage,
-                          moments is not None and moments.rounds_stochastically,
-                          state.loss_scale),
+        functools.partial(_apply, inner, extra_args, storage, state.loss_scale),
         functools.partial(_skip, storage),
         state.master_params, state.compensation, state.inner_state, params, updates,
         _step_key(state))
@@ -515,7 +520,7 @@ def _rounding_key(seed: Any) -> jax.Array:
 
 def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
           moments: Moments | None, seed: Any, params) -> MixedPrecisionState:
-    storage = Storage.build(policy, params, master_option)
+    storage = Storage.build(policy, params, master_option, moments)
     # Fresh buffers: the state must never share one with the working params, or donating the
     # train state would donate it twice (an inner state may keep the params it was built on).
     values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
@@ -526,7 +531,7 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
         warn_half_second_moments(inner_state)
     return MixedPrecisionState(
         master=Master(master, comp,
-                      _rounding_key(seed) if _needs_key(storage, moments) else None),
+                      _rounding_key(seed) if storage.needs_key else None),
         inner_state=inner_state,
         # Fresh buffers too: every init must survive another state's donation.
         loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),

@@ -258,15 +258,20 @@ def _slots(tree: Any, n: int) -> list:
 @dataclasses.dataclass(frozen=True)
 class Storage:
     """How each param leaf's value in ``param_dtype`` is kept: one kind per leaf, in tree
-    order, with the leaf's working dtype. Static data (hashable, no leaves)."""
+    order, with the leaf's working dtype; and how the inner optimizer's moments are
+    (``moments_dtype=``). Static data (hashable, no leaves)."""
 
     option: str
     kinds: tuple[_Own, ...]
     work_dtypes: tuple[Any, ...]
+    moments: Any = None
+    """The :class:`jaxamp._moments.Moments` of ``moments_dtype=``, or ``None`` (as ``inner``
+    builds them)."""
 
     @classmethod
-    def build(cls, policy: Any, params: Any, option: str) -> Storage:
-        """The storage of ``params`` under ``policy`` and the ``master=`` option."""
+    def build(cls, policy: Any, params: Any, option: str, moments: Any = None) -> Storage:
+        """The storage of ``params`` under ``policy``, the ``master=`` option and the
+        moments' storage."""
         work_dtypes = policy.working_dtypes(params)
         param_dtype = jnp.dtype(policy.param_dtype)
         kinds: list[_Own] = []
@@ -279,11 +284,17 @@ class Storage:
                 kinds.append(_Master())
             else:
                 kinds.append(_HALF_KINDS[option])
-        return cls(option, tuple(kinds), tuple(work_dtypes))
+        return cls(option, tuple(kinds), tuple(work_dtypes), moments)
+
+    @property
+    def rounds_moments(self) -> bool:
+        """Whether the moments are rounded stochastically (bf16 moments)."""
+        return self.moments is not None and self.moments.rounds_stochastically
 
     @property
     def needs_key(self) -> bool:
-        return any(k.needs_key for k in self.kinds)
+        """Whether anything is rounded stochastically: a param's storage or the moments."""
+        return self.rounds_moments or any(k.needs_key for k in self.kinds)
 
     @property
     def keeps_compensation(self) -> bool:

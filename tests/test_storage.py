@@ -424,3 +424,21 @@ def test_a_state_built_by_another_option_is_a_clear_error():
     stochastic = jaxamp.mixed_precision(optax.adam(1e-3), master="stochastic")
     with pytest.raises(ValueError, match="holds no rounding key"):
         stochastic.update(grads, state, working)
+
+
+def test_the_update_reads_the_storage_the_state_carries(monkeypatch):
+    """``tx.init`` fixes the storage (the ``master=`` option per param, the moments'); an
+    update of that state reads it from the state and builds none."""
+    from jaxamp._storage import Storage
+    params = init_params()
+    tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16", master="kahan",
+                                moments_dtype="bfloat16")
+    state = tx.init(params)
+    assert state.storage.option == "kahan" and state.storage.rounds_moments
+    built = []
+    original = Storage.build
+    monkeypatch.setattr(Storage, "build", classmethod(
+        lambda cls, *a, **k: built.append(a) or original(*a, **k)))
+    working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+    _, new_state = tx.update(jax.tree.map(jnp.zeros_like, working), state, working)
+    assert built == [] and new_state.storage is state.storage
