@@ -27,9 +27,10 @@ from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
 
-__all__ = ["CALLS", "HIGHER_ORDER", "Enter", "HigherOrder", "Literal", "MATMULS", "body",
-           "environment", "evaluate", "is_backward", "made_order", "nested_stack", "run_traced",
-           "scan_layout", "scope", "sub_jaxprs", "walk", "walk_levels", "where", "while_layout"]
+__all__ = ["CALLS", "HIGHER_ORDER", "Enter", "HigherOrder", "Interpreter", "Literal", "MATMULS",
+           "body", "environment", "evaluate", "is_backward", "made_order", "nested_stack",
+           "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk", "walk_levels", "where",
+           "while_layout"]
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 """The primitives that multiply matrices (``ragged_dot`` is JAX's name before
@@ -389,51 +390,53 @@ def environment(jaxpr: Any, consts: list, args: list) -> tuple[dict, Callable[[A
     return env, read
 
 
-def evaluate(jaxpr: Any, consts: list, args: list, on_eqn: Callable | None = None,
-             outer: str = "", *, equation: Callable[[Any, Callable], list] | None = None,
-             take: Callable[[int, Any, dict, Callable], set[int] | None] | None = None
-             ) -> list:
-    """The package's one loop over a jaxpr's equations, in order (autocast's and the overflow
-    diagnosis's interpreters are this loop and their hooks).
+class Interpreter:
+    """How :func:`evaluate` evaluates: the one protocol of the package's interpreters
+    (autocast's, the overflow diagnosis's). This base binds each primitive as it is and enters
+    the inline higher-order primitives of :data:`HIGHER_ORDER` (calls, remats, a custom
+    derivative's primal) with itself."""
 
-    ``equation(eqn, read)`` evaluates one equation (``read`` gives a variable's value) and
-    returns its outputs. By default the inline higher-order primitives of
-    :data:`HIGHER_ORDER` (calls, remats, a custom derivative's primal) are entered, with the
-    same hooks, and every other primitive is bound as it is, then ``on_eqn(eqn, outputs,
-    outer)`` is called. ``take(i, eqn, env, read)``, when given, may evaluate a group of
-    equations that starts at the ``i``-th itself (autocast's fp32 regions), writing their
-    values to ``env``, and returns the indices it evaluated (the loop skips them), or ``None``."""
-    env, read = environment(jaxpr, consts, args)
-    if equation is None:
-        equation = _bound(on_eqn, outer)
-    done: set[int] = set()
-    for i, eqn in enumerate(jaxpr.eqns):
-        if i in done:
-            continue
-        taken = take(i, eqn, env, read) if take is not None else None
-        if taken:
-            done.update(taken)
-            continue
-        for v, x in zip(eqn.outvars, equation(eqn, read), strict=True):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _bound(on_eqn: Callable | None, outer: str) -> Callable[[Any, Callable], list]:
-    """:func:`evaluate`'s default ``equation``."""
-    def equation(eqn: Any, read: Callable) -> list:
+    def equation(self, eqn: Any, read: Callable, outer: str) -> list:
+        """The outputs of ``eqn`` (``read`` gives a variable's value; ``outer`` is the name
+        stack around the jaxpr)."""
         invals = [read(v) for v in eqn.invars]
         inner = body(eqn)
         if inner is not None:
             return evaluate(getattr(inner, "jaxpr", inner), list(getattr(inner, "consts", ())),
-                            invals, on_eqn, nested_stack(eqn, outer))
+                            invals, self, nested_stack(eqn, outer))
         with eqn.ctx.manager:
             outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
         outs = outs if eqn.primitive.multiple_results else [outs]
-        if on_eqn is not None:
-            on_eqn(eqn, outs, outer)
+        self.seen(eqn, outs, outer)
         return outs
-    return equation
+
+    def seen(self, eqn: Any, outs: list, outer: str) -> None:
+        """Called with each primitive's outputs, as :meth:`equation` binds it."""
+
+    def take(self, i: int, eqn: Any, env: dict, read: Callable, outer: str) -> set[int] | None:
+        """May evaluate a group of equations that starts at the ``i``-th itself (autocast's
+        fp32 regions, a fused attention), writing their values to ``env``; returns the indices
+        it evaluated (the loop skips them), or ``None``."""
+        del i, eqn, env, read, outer
+        return None
+
+
+def evaluate(jaxpr: Any, consts: list, args: list, interpreter: Interpreter,
+             outer: str = "") -> list:
+    """The package's one loop over a jaxpr's equations, in order, each evaluated by
+    ``interpreter`` (:class:`Interpreter`)."""
+    env, read = environment(jaxpr, consts, args)
+    done: set[int] = set()
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in done:
+            continue
+        taken = interpreter.take(i, eqn, env, read, outer)
+        if taken:
+            done.update(taken)
+            continue
+        for v, x in zip(eqn.outvars, interpreter.equation(eqn, read, outer), strict=True):
+            env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 def made_order(jaxpr: Any) -> list[int]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
@@ -198,29 +199,37 @@ def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = 
                           micro_batch=at if k > 1 else None)
 
 
-def _explain_micro_batch(scaled: Scaled, params: Any):
-    """``(events, loss, grads, new model state)`` of one micro-batch, evaluated eagerly."""
-    closed, shapes = jax.make_jaxpr(jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True),
-                                    return_shape=True)(params, scaled.handed)
-    events: list[OverflowEvent] = []
-    seen: set[tuple[str, str]] = set()
+class _FirstNonfinite(Interpreter):
+    """Binds each primitive as it is and records the first inf or nan of each layer (a name
+    scope, or else a source line), in each phase."""
 
-    def on_eqn(eqn, outs, outer):
+    def __init__(self):
+        self.events: list[OverflowEvent] = []
+        self.layers: set[tuple[str, str]] = set()
+
+    def seen(self, eqn: Any, outs: list, outer: str) -> None:
         for out in outs:
             kind = _kind(out)
             if kind is None:
                 continue
             phase = "backward" if is_backward(eqn, outer) else "forward"
             layer = _layer(eqn, outer)
-            if (phase, layer) in seen:
-                return
-            seen.add((phase, layer))
-            events.append(OverflowEvent(phase, layer, eqn.primitive.name, where(eqn),
-                                        jnp.dtype(out.dtype).name, tuple(out.shape), kind))
+            if (phase, layer) not in self.layers:
+                self.layers.add((phase, layer))
+                self.events.append(OverflowEvent(phase, layer, eqn.primitive.name, where(eqn),
+                                                 jnp.dtype(out.dtype).name, tuple(out.shape),
+                                                 kind))
             return
 
+
+def _explain_micro_batch(scaled: Scaled, params: Any):
+    """``(events, loss, grads, new model state)`` of one micro-batch, evaluated eagerly."""
+    closed, shapes = jax.make_jaxpr(jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True),
+                                    return_shape=True)(params, scaled.handed)
+    watch = _FirstNonfinite()
     outs = evaluate(closed.jaxpr, list(closed.consts), jax.tree.leaves((params, scaled.handed)),
-                    on_eqn)
+                    watch)
+    events = watch.events
     (_, (loss, new_model_state, _)), (grads, _) = jax.tree.unflatten(
         jax.tree.structure(shapes), outs)
     events.sort(key=lambda e: e.phase != "forward")  # forward first, each in execution order

@@ -25,6 +25,7 @@ from jaxamp._autocast._regions import _Level
 from jaxamp._autocast._regions import _run_region
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import nested_stack
@@ -43,22 +44,34 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
     calls = (attention_calls(jaxpr) if attention and ctx.regions
              and ctx.rules.get("dot_general") != "fp8" else {})
 
-    def take(i: int, eqn: Any, env: dict, read: Callable) -> set[int] | None:
-        call = calls.get(i)
+    return evaluate(jaxpr, consts, args, _Autocasting(ctx, constant, level, calls), outer)
+
+
+class _Autocasting(Interpreter):
+    """Each equation by :func:`_run_equation`; an attention call taken whole, and an fp32
+    region where a seed opens one."""
+
+    def __init__(self, ctx: _Context, constant: set, level: _Level | None, calls: dict):
+        self.ctx, self.constant, self.level, self.calls = ctx, constant, level, calls
+
+    def equation(self, eqn: Any, read: Callable, outer: str) -> list:
+        return _run_equation(self.ctx, eqn, read, outer, self.constant)
+
+    def take(self, i: int, eqn: Any, env: dict, read: Callable, outer: str) -> set[int] | None:
+        ctx = self.ctx
+        call = self.calls.get(i)
         if call is not None:
-            out = _fused_attention(ctx, call, read, outer, constant, _body)
+            out = _fused_attention(ctx, call, read, outer, self.constant, _body)
             if out is not None:
                 env[call.output] = out
                 return set(call.indices)
-        if (level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
-                or _feeds_only_matmuls(level, i)):
+        if (self.level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
+                or _feeds_only_matmuls(self.level, i)):
             return None
         done: set[int] = set()
-        _run_region(ctx, level, i, env, read, done, outer, constant, _run_equation, _body)
+        _run_region(ctx, self.level, i, env, read, done, outer, self.constant, _run_equation,
+                    _body)
         return done | {i}
-
-    return evaluate(jaxpr, consts, args, equation=lambda eqn, read: _run_equation(
-        ctx, eqn, read, outer, constant), take=take)
 
 
 def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:
