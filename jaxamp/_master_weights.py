@@ -193,16 +193,7 @@ class MixedPrecisionState(_State):
         """The fields, or (as before the state was nested) the flat names of :attr:`master`
         and :attr:`health` as keywords, merged into ``master=``/``health=`` when those are
         given too."""
-        master = {_MASTER_NAMES.get(k, k): kwargs.pop(k) for k in list(kwargs)
-                  if k in _MASTER_NAMES or k in ("compensation", "rounding_key")}
-        health = {k: kwargs.pop(k) for k in list(kwargs) if k in Health._fields}
-        if master:
-            kwargs["master"] = (kwargs["master"]._replace(**master) if "master" in kwargs
-                                else Master(**master))
-        if health:
-            kwargs["health"] = (kwargs["health"]._replace(**health) if "health" in kwargs
-                                else Health(**health))
-        return super().__new__(cls, *args, **kwargs)
+        return super().__new__(cls, *args, **_nest(kwargs, None, None))
 
     # The state's flat names, read-only: a field of :attr:`master` or :attr:`health`.
     @property
@@ -263,14 +254,7 @@ class MixedPrecisionState(_State):
     def _replace(self, **changes: Any) -> MixedPrecisionState:
         """A copy with fields changed: its own, or the flat names of :attr:`master` and
         :attr:`health` (``state._replace(master_params=..., skipped_steps=...)``)."""
-        master = {_MASTER_NAMES.get(k, k): changes.pop(k) for k in list(changes)
-                  if k in _MASTER_NAMES or k in ("compensation", "rounding_key")}
-        health = {k: changes.pop(k) for k in list(changes) if k in Health._fields}
-        if master:
-            changes["master"] = changes.get("master", self.master)._replace(**master)
-        if health:
-            changes["health"] = changes.get("health", self.health)._replace(**health)
-        return super()._replace(**changes)
+        return super()._replace(**_nest(changes, self.master, self.health))
 
     @staticmethod
     def flat_layout(tree: Any) -> Any:
@@ -292,12 +276,26 @@ class MixedPrecisionState(_State):
     @staticmethod
     def nested_layout(tree: Any) -> Any:
         """``tree`` with every state in the flat layout (see :meth:`flat_layout`) nested."""
-        return _map_states(tree, _FlatState, lambda s: MixedPrecisionState(
-            Master(s.master_params, s.compensation, s.rounding_key), s.inner_state,
-            s.loss_scale, Health(*s[3:11]), s.policy, s.storage))
+        return _map_states(tree, _FlatState, lambda s: MixedPrecisionState(**s._asdict()))
 
 
-_MASTER_NAMES = {"master_params": "params"}
+# The flat names of Master's fields.
+_MASTER_NAMES = {"master_params": "params", "compensation": "compensation",
+                 "rounding_key": "rounding_key"}
+
+
+def _nest(fields: dict, master: Master | None, health: Health | None) -> dict:
+    """``fields`` with the flat names of :class:`Master`'s and :class:`Health`'s fields folded
+    into ``master``/``health``: into the ones ``fields`` gives, else into ``master``/``health``
+    (a new one where that is ``None``)."""
+    flat_master = {_MASTER_NAMES[k]: fields.pop(k) for k in list(fields) if k in _MASTER_NAMES}
+    flat_health = {k: fields.pop(k) for k in list(fields) if k in Health._fields}
+    for name, flat, kind, base in (("master", flat_master, Master, master),
+                                   ("health", flat_health, Health, health)):
+        if flat:
+            given = fields.get(name, base)
+            fields[name] = kind(**flat) if given is None else given._replace(**flat)
+    return fields
 
 
 class _FlatState(NamedTuple):

@@ -74,8 +74,10 @@ class Objective:
                rng: Any = None) -> Scaled:
         """The scaled loss of one (cast) micro-batch, to differentiate: a function of the params
         and the handed model-state nodes (FP8 metadata), with what they saw."""
-        return Scaled(self, self.under(policy), batch, scale,
-                      model_state if self.has_model_state else None, rng)
+        model_state = model_state if self.has_model_state else None
+        nodes = _model_state.find(model_state)
+        return Scaled(self, self.under(policy), batch, scale, model_state, rng, nodes,
+                      _model_state.hand(nodes, scale))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,9 +85,9 @@ class Scaled:
     """``loss * scale`` of one micro-batch as a function of the params and the handed
     model-state nodes: ``fn(params, handed) -> (loss * scale, (loss, new_model_state, aux))``.
 
-    Each hooked node of the model state (:mod:`jaxamp._model_state`: an
-    :class:`~jaxamp.fp8.Fp8State`) is handed to ``loss_fn`` as its hook makes it for this loss
-    scale (:attr:`handed`), and is differentiated: its cotangent tells what it saw
+    Each node of the model state that the step updates (:mod:`jaxamp._model_state`: an
+    :class:`~jaxamp.fp8.Fp8State`, :attr:`nodes`) is handed to ``loss_fn`` as it makes itself
+    for this loss scale (:attr:`handed`), and is differentiated: its cotangent tells what it saw
     (:meth:`seen`). The new model state holds the nodes as they came in; the step updates them
     from what they saw."""
 
@@ -95,16 +97,10 @@ class Scaled:
     scale: jax.Array
     model_state: Any
     rng: Any
-
-    @property
-    def nodes(self) -> list:
-        """The hooked nodes of the model state, in tree order."""
-        return _model_state.find(self.model_state) if self.objective.has_model_state else []
-
-    @property
-    def handed(self) -> list:
-        """The nodes as ``loss_fn`` receives them under this loss scale."""
-        return _model_state.hand(self.nodes, self.scale)
+    nodes: list
+    """The model state's nodes the step updates, in tree order."""
+    handed: list
+    """The nodes as ``loss_fn`` receives them under this loss scale."""
 
     def seen(self, cotangents: list) -> list:
         """What each node saw, from the cotangents of :attr:`handed`."""

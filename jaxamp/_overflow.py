@@ -23,12 +23,12 @@ from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import where
-from jaxamp._master_weights import maybe_find_state
 from jaxamp._objective import Objective
 from jaxamp._objective import Scaled
 from jaxamp._objective import objective_of
 from jaxamp._train_step import TrainStep
 from jaxamp._train_step import split_micro_batches
+from jaxamp._train_step import step_rng
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
 
@@ -172,15 +172,8 @@ def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = 
     objective, k = _objective_and_micro_batches(step, {
         "has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng,
         "autocast": autocast})
-    policy = state.policy
-    mp = maybe_find_state(state.opt_state)
-    scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+    policy, scale, rng = state.policy, state.loss_scale, step_rng(objective, state)
     batch = policy.cast_to_compute(batch)
-    rng = None
-    if objective.has_rng:
-        if state.rng is None:
-            raise ValueError("has_rng=True but state.rng is None")
-        rng = jax.random.fold_in(state.rng, state.step)
     micro_batches = [batch] if k == 1 else [
         jax.tree.map(lambda x, i=i: x[i], split_micro_batches(batch, k)) for i in range(k)]
     model_state = state.model_state

@@ -67,7 +67,7 @@ from jaxamp._tree import static_field
 from jaxamp.gradients import GradStats
 from jaxamp.gradients import grad_stats
 
-__all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches"]
+__all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches", "step_rng"]
 
 
 def _same_policy(a: Policy, b: Policy) -> bool:
@@ -329,14 +329,15 @@ class TrainStep:
         return "train_step"
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        mp = _checked_optimizer_state(self, state)
+        mp = _checked_optimizer_state(state)
         placed = self.distribution.place(self, state, batch)
         scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
         batch = state.policy.cast_to_compute(batch)
         # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices.
         loss, grads, new_model_state, aux, seen = placed.gradients(self, state, mp, scale,
-                                                                   batch, _step_rng(self, state))
-        # 2. The model state's hooked nodes (FP8 metadata) updated from what the step saw; an
+                                                                   batch,
+                                                                   step_rng(self.objective, state))
+        # 2. The model state's nodes (FP8 metadata) updated from what the step saw; an
         #    applied step keeps them, a skipped one drops them with the rest of the model state.
         if seen:
             nodes = _model_state.find(state.model_state)
@@ -470,7 +471,7 @@ def _has_half_params(policy: Policy, params: Any) -> bool:
 
 def _gradients(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
     """``(loss, gradients of loss * scale, new model state, aux, seen)`` of one device's batch,
-    ``seen`` what each hooked node of the model state saw (an :class:`~jaxamp.fp8.Fp8State`'s
+    ``seen`` what each node of the model state saw (an :class:`~jaxamp.fp8.Fp8State`'s
     amax)."""
     if step.accum_steps == 1:
         return _micro_batch(step, policy, params, scale, model_state, batch, rng)
@@ -513,8 +514,7 @@ def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
       scale, rng)
 
 
-def _checked_optimizer_state(step: TrainStep, state: TrainState):
-    del step
+def _checked_optimizer_state(state: TrainState):
     if not isinstance(state, TrainState):
         raise TypeError(f"step expects a jaxamp.TrainState, got {type(state).__name__}; "
                         "build it with jaxamp.TrainState.create(params=..., tx=...)")
@@ -523,9 +523,10 @@ def _checked_optimizer_state(step: TrainStep, state: TrainState):
     return mp
 
 
-def _step_rng(step: TrainStep, state: TrainState):
-    """The state's key folded with the step (the distribution folds in the device)."""
-    if not step.objective.has_rng:
+def step_rng(objective: Objective, state: TrainState):
+    """The state's key folded with the step, for an objective that takes ``rng=`` (the
+    distribution folds in the device, accumulation the micro-batch); else ``None``."""
+    if not objective.has_rng:
         return None
     if state.rng is None:
         raise ValueError("has_rng=True but state.rng is None; pass rng=jax.random.key(0) "

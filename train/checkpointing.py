@@ -78,17 +78,16 @@ def restore_latest(checkpoints: ocp.CheckpointManager, state: Any,
     path = os.path.join(str(checkpoints.directory), str(step), "state")
     # A checkpoint written before jaxamp.MixedPrecisionState was nested holds its fields flat:
     # it restores into the flat layout of the state, which is then nested again.
-    flat = jaxamp.MixedPrecisionState.flat_layout(state)
     target = state
     try:
         check_checkpoint_matches(path, state)
     except CheckpointMismatch as mismatch:
+        target = jaxamp.MixedPrecisionState.flat_layout(state)
         try:
-            check_checkpoint_matches(path, flat)
+            check_checkpoint_matches(path, target)
         except CheckpointMismatch:
             checkpoints.close()
             raise mismatch from None
-        target = flat
     restored = checkpoints.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
     batches.restore(tuple(restored.data))
