@@ -2,10 +2,13 @@
 
     python -m benchmarks layout [--rounds 100] [--tiny]   # --rounds 0: the bytes alone
 
-Compiles the encoder step of the overhead suite three ways: the bare bf16 step, jaxamp's
-``mixed_bfloat16`` step with its gradients pinned to row-major (``pin_grad_layout=True``, what
-the default does on a single CPU device), and the same step without the pin
-(``pin_grad_layout=False``). It prints
+Compiles one model's step four ways: the bare bf16 step, jaxamp's ``mixed_bfloat16`` step as
+built by default, with its gradients pinned to row-major (``pin_grad_layout=True``, what the
+default does on XLA:CPU for params on one device), and without the pin
+(``pin_grad_layout=False``). ``--model encoder`` (default): the overhead suite's 4 x 256
+encoder, batch 16 x 128. ``--model linen``: a param-heavy Flax Linen encoder (2 x 128, a
+2048-token vocabulary, ``dtype=bfloat16`` layers, batch 8 x 64), whose bare step casts nothing
+itself. It prints
 
 - the bytes accessed by kind of instruction (fusions named by XLA's fusion kind), for each step,
   and the difference to the bare step; the per-instruction count (operands plus result, of every
@@ -21,11 +24,22 @@ import collections
 import re
 import statistics
 
+import jax
+import jax.numpy as jnp
+import optax
+
 from benchmarks import harness
 from benchmarks import overhead
 
 ROUNDS = 100
 COST_ONLY = True  # --rounds 0 prints the bytes and times nothing
+MODELS = ("encoder", "linen")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="encoder", choices=MODELS,
+                        help="the overhead suite's encoder (default) or the param-heavy Linen "
+                             "encoder")
 
 _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
@@ -118,12 +132,33 @@ def _time_table(compiled, states, batch, total: dict[str, float], rounds: int) -
     return rows
 
 
+def _task(model: str, tiny: bool) -> tuple[overhead.EncoderTask, str]:
+    """The model's task (fp32 params, one batch, its loss, adamw) and its description."""
+    if model == "encoder":
+        cfg, batch_size = overhead.encoder_config(tiny)
+        return overhead.encoder_task(cfg, batch_size), f"encoder {cfg}, batch {batch_size}"
+    from train.models.linen_encoder import Encoder
+    dims = (dict(vocab=64, width=32, depth=1, heads=2, mlp=64) if tiny else
+            dict(vocab=2048, width=128, depth=2, heads=4, mlp=512))
+    batch, seq_len = (4, 16) if tiny else (8, 64)
+    model_ = Encoder(**dims, dtype=jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, dims["vocab"])
+
+    def loss(p, t):
+        logp = jax.nn.log_softmax(model_.apply(p, t).astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, t[..., None], -1))
+    params = model_.init(jax.random.key(0), tokens[:1])
+    return (overhead.EncoderTask(params, tokens, loss, optax.adamw(1e-3)),
+            f"Linen encoder {dims}, dtype=bfloat16 layers, batch {batch} x {seq_len}")
+
+
 def run(args) -> dict[str, float]:
     """Prints both tables; returns each step's bytes accessed."""
-    cfg, batch_size = overhead.encoder_config(args.tiny)
-    task = overhead.encoder_task(cfg, batch_size)
+    task, described = _task(args.model, args.tiny)
     steps = {
-        "bare_bf16": overhead.plain_variant(task, cast=True),
+        # The Linen encoder's layers cast the fp32 params to bf16 themselves.
+        "bare_bf16": overhead.plain_variant(task, cast=args.model == "encoder"),
+        "jaxamp default": overhead.jaxamp_variant(task, "mixed_bfloat16"),
         "jaxamp pinned": overhead.jaxamp_variant(task, "mixed_bfloat16", pin_grad_layout=True),
         "jaxamp not pinned": overhead.jaxamp_variant(task, "mixed_bfloat16",
                                                      pin_grad_layout=False),
@@ -135,7 +170,7 @@ def run(args) -> dict[str, float]:
     total = {n: harness.cost(c)["bytes"] for n, c in compiled.items()}
     counts = {n: bytes_by_instruction(c) for n, c in compiled.items()}
     rows = _kinds_table(counts, total)
-    print(f"{harness.machine()}; encoder {cfg}, batch {batch_size}\n")
+    print(f"{harness.machine()}; {described}; {jax.device_count()} devices in the process\n")
     print(harness.markdown(rows, list(rows[0])) + "\n")
     rows = _time_table(compiled, states, task.batch, total, args.rounds)
     print(f"{args.rounds} interleaved rounds\n" if args.rounds else "nothing timed (--rounds 0)\n")

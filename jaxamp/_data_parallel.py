@@ -150,6 +150,12 @@ def _mesh_of(x: Any) -> Any:
     return None if mesh is None or mesh.empty else mesh
 
 
+def on_one_device(tree: Any) -> bool:
+    """Whether no array of ``tree`` lies on a mesh of several devices, read from the arrays'
+    types (under ``jit`` the type of an input placed on a mesh names it, ``Auto`` axes too)."""
+    return all(m is None or m.size == 1 for m in map(_mesh_of, jax.tree.leaves(tree)))
+
+
 def _sizes(mesh: Any) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 

@@ -164,10 +164,14 @@ class TrainState(State, kw_only=True):
         return jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
 
 
-def _pins_layout(pin_grad_layout: bool | None) -> bool:
+def _pins_layout(pin_grad_layout: bool | None, local: bool, state: TrainState) -> bool:
     if pin_grad_layout is not None:
         return bool(pin_grad_layout)
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
+    # XLA:CPU alone, for a step on one device: XLA's partitioner all-gathers a gradient
+    # sharded over a mesh to pin its layout. The params' types say whether they lie on a mesh,
+    # so a step on one device of a process that sees several (a test's virtual devices) pins.
+    return (local and jax.default_backend() == "cpu"
+            and _data_parallel.on_one_device(state.params))
 
 
 def _check_step_arguments(accum_steps: Any, reduce_dtype: Any, axis_name: Any, mesh: Any,
@@ -264,11 +268,12 @@ def make_train_step(
       warn_fp32_matmuls: warn at trace time when a half-precision policy still runs matmuls
         in fp32 (a promotion by an fp32 param or activation). The check never raises.
       pin_grad_layout: pin the traced gradients of rank >= 2 to row-major before the update of
-        :func:`jaxamp.mixed_precision` (its finite check and skip). ``None`` (default): only on
-        XLA:CPU with a single device, where it was measured to save two passes over the
+        :func:`jaxamp.mixed_precision` (its finite check and skip). ``None`` (default): on
+        XLA:CPU for a step on one device (no ``axis_name``, no mesh, and params whose types
+        name no mesh at trace time), where it was measured to save passes over the
         gradients; ``True``/``False`` force it on or off. It changes no update, but XLA's
         partitioner all-gathers a gradient sharded over a device mesh to pin it, which is why
-        the default leaves several devices alone.
+        the default leaves params on a mesh alone.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite`` (False on a skipped step: a gradient or the
@@ -372,7 +377,8 @@ class _Distribution:
 
     def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
                grads, new_model_state, loss):
-        return _update(step, mp is not None, state, grads, new_model_state, loss)
+        return _update(step, self is _LOCAL, mp is not None, state, grads, new_model_state,
+                       loss)
 
 
 _LOCAL = _Distribution()
@@ -434,11 +440,12 @@ class _Mesh(_Distribution):
 # The step, in pieces
 # --------------------------------------------------------------------------------------------
 
-def _update(step: TrainStep, mixed: bool, state: TrainState, grads, new_model_state,
-            loss, cast_sharding: Any = None):
+def _update(step: TrainStep, local: bool, mixed: bool, state: TrainState, grads,
+            new_model_state, loss, cast_sharding: Any = None):
     """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`), skipped where a
-    gradient or the loss is not finite; the new model state, kept only on an applied step."""
-    if mixed and _pins_layout(step.pin_grad_layout):
+    gradient or the loss is not finite; the new model state, kept only on an applied step.
+    ``local``: the step runs on one device (no axis, no mesh)."""
+    if mixed and _pins_layout(step.pin_grad_layout, local, state):
         grads = row_major_grads(grads)
     new_state, metrics = _apply_update(state, grads, loss, mixed, cast_sharding)
     if step.objective.has_model_state:
@@ -460,7 +467,7 @@ def _update_on_explicit_mesh(step: TrainStep, dp: _data_parallel.DataParallel,
     # Declared: auto_axes is unannotated, and its inferred type includes the decorator
     # factory that ``auto_axes(out_sharding=...)`` (no function) returns.
     update: Callable[..., Any] = jax.sharding.auto_axes(
-        functools.partial(_update, step, mp is not None, cast_sharding=cast_sharding),
+        functools.partial(_update, step, False, mp is not None, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
     return update(state, grads, new_model_state, loss)
 

@@ -150,8 +150,8 @@ def row_major_grads(grads: Any) -> Any:
     the bytes accessed from 1.022x to 1.012x the bare bf16 step. The constraint changes no
     update; only the reported grad norm, an fp32 sum whose order follows the layout, may
     differ in its last bit. XLA's partitioner all-gathers a gradient sharded over a mesh to
-    pin it, and TPUs have tiled layouts: the train step pins only on a single CPU device
-    (``make_train_step(pin_grad_layout=None)``).
+    pin it, and TPUs have tiled layouts: the train step pins only on XLA:CPU, for params on
+    one device (``make_train_step(pin_grad_layout=None)``).
     """
     def pin(g):
         if isinstance(g, Tracer) and getattr(g, "ndim", 0) >= 2:

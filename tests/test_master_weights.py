@@ -826,6 +826,27 @@ def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
         assert nbytes(pinned) < nbytes(unpinned)
 
 
+def test_the_default_pins_a_step_on_one_device_of_a_process_that_sees_several():
+    """The default reads where the params are from their types at trace time, not from how
+    many devices the process sees: a step on one device of this 8-device process is pinned."""
+    assert jax.device_count() > 1
+    master = {"w1": jnp.full((64, 256), 0.1), "w2": jnp.full((256, 32), 0.1)}
+    tx = jaxamp.mixed_precision(optax.adamw(1e-2), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=master, tx=tx)
+    x = {"x": jnp.ones((128, 64))}
+
+    def loss(p, batch):
+        return jnp.mean((jax.nn.relu(batch["x"] @ p["w1"]) @ p["w2"]).astype(F32) ** 2)
+
+    def pins(pin):
+        text = jax.jit(jaxamp.make_train_step(loss, pin_grad_layout=pin)).lower(
+            state, x).as_text()
+        return text.count("custom_call @LayoutConstraint")
+    expected = 2 if jax.default_backend() == "cpu" else 0
+    assert pins(True) == 2 and pins(False) == 0
+    assert pins(None) == expected
+
+
 def test_gradient_layout_pin_leaves_eager_and_vmapped_updates_alone():
     tx = jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16")
     master = {"w": jnp.ones((3, 4))}
@@ -842,8 +863,8 @@ def test_gradient_layout_pin_leaves_eager_and_vmapped_updates_alone():
 
 def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
     """The default adds no collective on a mesh: a sharded gradient is never gathered for the
-    layout pin (XLA's partitioner would all-gather it to pin it, so the default leaves several
-    devices alone), and the norm of a sharded gradient is reduced without gathering it."""
+    layout pin (XLA's partitioner would all-gather it to pin it, so the default leaves params
+    on a mesh alone), and the norm of a sharded gradient is reduced without gathering it."""
     from jax.sharding import Mesh
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P

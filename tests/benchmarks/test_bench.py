@@ -187,6 +187,12 @@ def test_bench_layout_counts_the_bytes_of_each_instruction(capsys):
     assert "| **total** |" in out and "| jaxamp pinned |" in out
     # The shipped step (gradients pinned to row-major) accesses fewer bytes than without the pin.
     assert total["bare_bf16"] < total["jaxamp pinned"] < total["jaxamp not pinned"]
+    # On XLA:CPU the default pins a step whose params are on one device, in this process of
+    # 8 devices too.
+    assert total["jaxamp default"] == total["jaxamp pinned"]
+    total = main(["layout", "--tiny", "--rounds", "0", "--model", "linen"])["layout"]
+    assert "Linen encoder" in capsys.readouterr().out
+    assert total["bare_bf16"] < total["jaxamp default"] < total["jaxamp not pinned"]
 
 
 def test_autocast_suite_meets_the_dtype_goals_on_users_models(tiny_runs):
