@@ -1,4 +1,4 @@
-"""Which FP8 matmul of a loss loses what: :func:`jaxamp.fp8.error_report`.
+"""Which FP8 matmul of a loss loses what: the probe behind :func:`jaxamp.fp8.error_report`.
 
 Each matmul that autocast runs in FP8 under an FP8 policy is run a second time, on the same
 compute-dtype operands, in fp32 at ``HIGHEST`` precision; so are its two gradient GEMMs, on the
@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxamp._fp8 import fp8_dot_general
 
 _F32 = jnp.float32
 GEMMS = ("forward", "grad_lhs", "grad_rhs")
@@ -117,7 +118,7 @@ def active_probe() -> _Probe | None:
 
 
 @contextlib.contextmanager
-def _probing() -> Iterator[_Probe]:
+def probing() -> Iterator[_Probe]:
     probe = _Probe()
     token = _PROBE.set(probe)
     try:
@@ -159,7 +160,6 @@ def _relative(x, ref):
 
 def probed_dot(probe: _Probe, key: str, lhs, rhs, dims, out_dtype, recipe):
     """``fp8_dot_general(lhs, rhs, ...)``, its three GEMMs' errors sent to ``probe``."""
-    from jaxamp.fp8 import fp8_dot_general
 
     def fp8(a, b):
         return fp8_dot_general(a, b, dims, preferred_element_type=out_dtype, recipe=recipe)
@@ -190,39 +190,3 @@ def probed_dot(probe: _Probe, key: str, lhs, rhs, dims, out_dtype, recipe):
 
     dot.defvjp(fwd, bwd)
     return dot(lhs, rhs)
-
-
-def error_report(fn: Callable, *args: Any, policy: Any = "mixed_fp8",
-                 argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Fp8ErrorReport:
-    """Each FP8 matmul of ``fn``'s loss and gradient under ``jaxamp.autocast(fn, policy)``,
-    with the relative error of its three GEMMs against the same matmul in fp32.
-
-    ``fn`` returns a scalar loss (with ``has_aux``, ``(loss, aux)``); ``argnums`` are the
-    arguments differentiated, as in ``jax.grad``. A matmul is named by the argument it reads
-    (``args[0]/blocks/0/mlp/kernel``, the rhs's first) or else by the line of code that made
-    it; a matmul run many times (a layer in a ``scan``) reports its largest errors.
-    ``policy`` is an FP8 policy: ``"mixed_fp8"`` or ``Policy(..., fp8=CurrentScaling(...))``,
-    whose recipe (granularity, the matmuls it keeps in the compute dtype) the report follows.
-    The matmuls the recipe keeps in the compute dtype are not FP8 and not in the report.
-
-    >>> import jax.numpy as jnp, jaxamp
-    >>> def loss(p, x):
-    ...     return jnp.mean((x @ p["w"]) ** 2)
-    >>> p, x = {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}, jnp.linspace(0, 3, 32).reshape(4, 8)
-    >>> report = jaxamp.fp8.error_report(loss, p, x)
-    >>> [(m.calls, m.forward < 0.1, m.grad_lhs < 0.1, m.grad_rhs < 0.1) for m in report.matmuls]
-    [(1, True, True, True)]
-    """
-    from jaxamp._autocast import autocast
-    from jaxamp._policy import get_policy
-    policy = get_policy(policy)
-    if not policy.fp8:
-        raise ValueError(f"error_report measures FP8 matmuls, and policy {policy} has none; "
-                         "use policy='mixed_fp8' or Policy(..., fp8=CurrentScaling(...))")
-    with _probing() as probe:
-        # A fresh autocast and a fresh jit: the probe is read while the loss is traced.
-        cast = autocast(fn, policy, recompute=False)
-        grads = jax.jit(lambda *a: jax.value_and_grad(cast, argnums, has_aux=has_aux)(*a))
-        jax.block_until_ready(grads(*args))
-        jax.effects_barrier()
-    return probe.report()

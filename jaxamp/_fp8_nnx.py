@@ -15,9 +15,9 @@ from flax import nnx
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
-from jaxamp.fp8 import DelayedScaling
-from jaxamp.fp8 import Fp8State
-from jaxamp.fp8 import delayed_dot_general
+from jaxamp._fp8 import DelayedScaling
+from jaxamp._fp8 import Fp8State
+from jaxamp._fp8 import delayed_dot_general
 
 __all__ = ["DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Linear"]
 

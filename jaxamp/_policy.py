@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxamp._fp8 import CurrentScaling
 from jaxamp._tree import cast_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
-from jaxamp.fp8 import CurrentScaling
 
 __all__ = ["PRESETS", "Policy", "get_policy", "resolve_auto"]
 

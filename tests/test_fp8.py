@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from jaxamp import _fp8
 from jaxamp import fp8
 
 F32 = jnp.float32
@@ -504,7 +505,7 @@ def test_the_keras_21706_mistake_is_caught(monkeypatch):
     (it unscaled every 'gradient', the metadata's too), breaks the invariance above."""
     def unscale_everything(cotangent, loss_scale):
         return cotangent.scale / jnp.asarray(loss_scale, F32)
-    monkeypatch.setattr(fp8, "seen_amax", unscale_everything)
+    monkeypatch.setattr(_fp8, "seen_amax", unscale_everything)  # where the step reads it
     plain = _run(jaxamp.StaticLossScale(1.0))
     scaled = _run(jaxamp.StaticLossScale(2.0 ** 12))
     with pytest.raises(AssertionError):

@@ -27,7 +27,7 @@ rule            primitives
 ``fp8``         ``dot_general`` under a policy with ``fp8=True`` (``mixed_fp8``): the operands
                 cast to the compute dtype, then quantized to e4m3 with current scaling, the
                 gradient to e5m2 (:func:`jaxamp.fp8.fp8_dot_general`), or with the policy's
-                ``fp8`` recipe (:class:`jaxamp.fp8.CurrentScaling`: rowwise or block
+                ``fp8`` recipe (:class:`jaxamp.CurrentScaling`: rowwise or block
                 scales); the output is in the compute dtype. Convolutions keep the
                 ``compute`` rule: FP8 is for matmuls.
 ``original``    the dtypes of ``fn`` as written: inside :func:`full_precision`, and for
@@ -111,7 +111,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp import fp8
 from jaxamp._autocast._casts import _as_written
 from jaxamp._autocast._casts import _cast
 from jaxamp._autocast._casts import _is_array
@@ -122,6 +121,7 @@ from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _saveable
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
+from jaxamp._fp8 import CurrentScaling
 from jaxamp._policy import get_policy
 from jaxamp._tree import tree_path_str
 
@@ -201,8 +201,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         checked = {**checked, "dot_general": "fp8"}
     context = _Context(policy.compute_dtype, checked, _check_scopes(fp32_scopes),
                        regions=jnp.dtype(policy.compute_dtype) != jnp.float32,
-                       fp8_recipe=policy.fp8 if isinstance(policy.fp8, fp8.CurrentScaling)
-                       else fp8.CurrentScaling())
+                       fp8_recipe=policy.fp8 if isinstance(policy.fp8, CurrentScaling)
+                       else CurrentScaling())
     quantizes = "fp8" in checked.values()
 
     @functools.wraps(fn)

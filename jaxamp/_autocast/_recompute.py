@@ -12,8 +12,9 @@ from typing import Any
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxamp import fp8
 from jaxamp import ops
+from jaxamp._fp8 import OUTPUT_NAME
+from jaxamp._fp8 import RESIDUAL_NAME
 from jaxamp._jaxpr import MATMULS
 from jaxamp._tree import is_floating_array
 
@@ -56,7 +57,7 @@ def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     its chunk loop to run again."""
     del avals
     if prim.name == "name":
-        return params.get("name") in (_KEPT, _OPERAND, fp8.RESIDUAL_NAME, fp8.OUTPUT_NAME,
+        return params.get("name") in (_KEPT, _OPERAND, RESIDUAL_NAME, OUTPUT_NAME,
                                       ops.SAVED_NAME)
     return prim.name in _SAVED and prim.name not in MATMULS
 

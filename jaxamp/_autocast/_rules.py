@@ -24,11 +24,11 @@ from jaxamp._autocast._near import _set_near
 from jaxamp._autocast._recompute import _KEPT
 from jaxamp._autocast._recompute import _OPERAND
 from jaxamp._autocast._recompute import _keeps
+from jaxamp._fp8 import fp8_dot_general
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import where
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
-from jaxamp.fp8 import fp8_dot_general
 
 if TYPE_CHECKING:
     from jaxamp._autocast._context import _Context
