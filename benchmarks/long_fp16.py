@@ -78,7 +78,7 @@ def train_run(precision: str, *, steps: int, growth_interval: int, batch_size: i
     logits = _logits(state.params, policy.cast_to_compute(
         jnp.asarray(held_out["image"].reshape(len(held_out["image"]), -1))))
     labels = jnp.asarray(held_out["label"])
-    final_scale = jaxamp.get_loss_scale(state.opt_state)
+    final_scale = jaxamp.state.get_loss_scale(state.opt_state)
     return {
         "precision": precision,
         "losses": np.concatenate(losses),

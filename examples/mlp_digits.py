@@ -64,7 +64,7 @@ def train(precision: str, steps: int, batch_size: int = 128, seed: int = 0,
     state = jaxamp.TrainState.create(params=init_mlp(jax.random.key(seed)), tx=tx)
     step = jax.jit(jaxamp.make_train_step(loss_fn), donate_argnums=0)
     rng = np.random.default_rng(seed)
-    scale_kind = type(jaxamp.get_loss_scale(state.opt_state)).__name__
+    scale_kind = type(jaxamp.state.get_loss_scale(state.opt_state)).__name__
     print(f"== {precision} ({policy}), loss scale {scale_kind}")
     losses = []
     for i in range(1, steps + 1):

@@ -28,6 +28,9 @@ The rest lives in public subpackages:
   the backward pass, for hand-built models;
 * ``jaxamp.rounding``: stochastic rounding and the Kahan split of the ``"kahan"`` master;
 * ``jaxamp.gradients``: one pass over the gradients (finite check, norm, the first bad leaf);
+* ``jaxamp.state``: reading the state of :func:`mixed_precision` in a train step written by hand
+  (:func:`find_state`, ``get_loss_scale``, ``policy_of``, ``working_params``,
+  ``next_working_params``);
 * ``jaxamp.memory``: the memory planner, :func:`jaxamp.memory.gpu_memory`: the memory a step
   needs on a GPU, compiled by XLA:GPU on a machine without one.
 
@@ -43,6 +46,7 @@ from jaxamp import memory
 from jaxamp import ops
 from jaxamp import parallel
 from jaxamp import rounding
+from jaxamp import state
 from jaxamp._audit import AuditReport
 from jaxamp._audit import audit
 from jaxamp._audit import audit_grad
@@ -55,13 +59,9 @@ from jaxamp._loss_scale import StaticLossScale
 from jaxamp._master_weights import MASTERS
 from jaxamp._master_weights import MixedPrecisionState
 from jaxamp._master_weights import find_state
-from jaxamp._master_weights import get_loss_scale
 from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import mixed_precision
-from jaxamp._master_weights import next_working_params
-from jaxamp._master_weights import policy_of
 from jaxamp._master_weights import scale_loss
-from jaxamp._master_weights import working_params
 from jaxamp._moments import quantized_moments
 from jaxamp._objective import Objective
 from jaxamp._overflow import OverflowEvent
@@ -97,22 +97,19 @@ __all__ = (
     "find_state",
     "fp8",
     "full_precision",
-    "get_loss_scale",
     "get_master_params",
     "get_policy",
     "gradients",
     "make_train_step",
     "memory",
     "mixed_precision",
-    "next_working_params",
     "ops",
     "parallel",
-    "policy_of",
     "quantized_moments",
     "resolve_auto",
     "rounding",
     "scale_loss",
-    "working_params",
+    "state",
 )
 
 __getattr__ = _deprecated.module_getattr

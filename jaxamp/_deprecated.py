@@ -23,6 +23,8 @@ MOVED_NAMES = {
         "GradStats", "all_finite", "grad_stats", "nonfinite_leaf_path", "tree_path_str")},
     **{name: "jaxamp.memory" for name in (
         "GPU_TARGETS", "GpuMemoryReport", "gpu_memory", "gpu_mesh")},
+    **{name: "jaxamp.state" for name in (
+        "get_loss_scale", "next_working_params", "policy_of", "working_params")},
 }
 """Top-level name -> the public module it now lives in."""
 

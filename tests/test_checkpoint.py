@@ -70,7 +70,7 @@ def test_train_state_round_trips_through_orbax(tmp_path, step):
         restored = ckpt.restore(tmp_path / "ckpt", _state())
     assert isinstance(restored, jaxamp.TrainState)
     _assert_bit_identical(state, restored)
-    scale = jaxamp.get_loss_scale(restored.opt_state)
+    scale = jaxamp.state.get_loss_scale(restored.opt_state)
     # Static hyperparameters come from the target; array fields from the checkpoint.
     assert (scale.hysteresis, scale.min_scale, scale.max_scale, scale.growth_interval) == (
         2, 1.0, 2.0**14, 3)

@@ -245,7 +245,7 @@ def check_scale_trajectory(result, scale):
     of ``test_loss_scale`` fed with the observed finite/non-finite sequence."""
     ref = reference_sequence(float(scale.loss_scale), result.finite, **scale_config(scale))
     assert result.scales == [float(scale.loss_scale)] + [s for s, _, _ in ref[:-1]]
-    final = jaxamp.get_loss_scale(result.state.opt_state)
+    final = jaxamp.state.get_loss_scale(result.state.opt_state)
     assert (float(final.loss_scale), int(final.growth_tracker), int(final.hysteresis_left)) \
         == ref[-1]
 

@@ -126,7 +126,7 @@ def _check_working_params_track_master(case):
             continue
         expected = policy.cast_params_to_compute(jaxamp.get_master_params(state))
         assert_tree_bitwise_equal(params, expected)
-        assert_tree_bitwise_equal(jaxamp.working_params(state, policy), params)
+        assert_tree_bitwise_equal(jaxamp.state.working_params(state, policy), params)
         assert_tree_bitwise_equal(jaxamp.get_master_params(state, params),
                                   jaxamp.get_master_params(state))
     for leaf in jax.tree.leaves(jaxamp.get_master_params(state, params)):

@@ -38,7 +38,7 @@ def test_every_library_module_but_the_public_subpackages_is_private():
     old_paths = {m.removeprefix("jaxamp.") for m in _deprecated.MOVED_MODULES}
     public = sorted(p.stem for p in PACKAGE.glob("*.py")
                     if not p.stem.startswith("_") and p.stem not in old_paths)
-    assert public == ["fp8", "gradients", "memory", "ops", "parallel", "rounding"]
+    assert public == ["fp8", "gradients", "memory", "ops", "parallel", "rounding", "state"]
     exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
     assert exported_modules == set(public)
 

@@ -59,7 +59,7 @@ HARMLESS = {
 @pytest.mark.parametrize("name", sorted(HARMLESS))
 def test_a_harmless_wrapping_trains_in_half_precision_with_an_fp32_master(name):
     tx = HARMLESS[name]()
-    assert str(jaxamp.policy_of(tx)) == "p=f32,c=bf16,o=f32"
+    assert str(jaxamp.state.policy_of(tx)) == "p=f32,c=bf16,o=f32"
     state = jaxamp.TrainState.create(params=init_params(), tx=tx)
     assert state.policy.compute_dtype == BF16
     half_with_fp32_master(state)
@@ -134,8 +134,8 @@ def test_a_harmful_wrapping_raises_in_scale_loss_and_policy_of(name):
     tx = make()
     opt_state = tx.init(init_params())
     for call in (lambda: jaxamp.scale_loss(jnp.float32(1.0), opt_state),
-                 lambda: jaxamp.policy_of(tx, init_params()),
-                 lambda: jaxamp.policy_of(opt_state)):
+                 lambda: jaxamp.state.policy_of(tx, init_params()),
+                 lambda: jaxamp.state.policy_of(opt_state)):
         with pytest.raises(ValueError, match=words[0].replace("(", r"\(").replace(".", r"\.")):
             call()
 
