@@ -117,6 +117,7 @@ from jaxamp._autocast._casts import _is_array
 from jaxamp._autocast._context import _FULL_PRECISION
 from jaxamp._autocast._context import _Call
 from jaxamp._autocast._context import _Context
+from jaxamp._autocast._context import _Facts
 from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _saveable
 from jaxamp._autocast._rules import _RULES
@@ -229,12 +230,10 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         scopes_seen: dict = {}
 
         def evaluate(*arrays):
-            ctx = dataclasses.replace(context, call=_Call(
-                scopes_seen=scopes_seen,
-                arguments={id(a): (a, path) for a, path in zip(arrays, paths, strict=True)}
-                if quantizes else {},
-                cheap={id(a): a for a in arrays} if recomputed else None,
-                near={} if recomputed else None))
+            facts = _Facts(recompute=recomputed)
+            for a, path in zip(arrays, paths, strict=True):  # the arguments: cheap
+                facts.set(a, path=path if quantizes else None, cheap=True)
+            ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.

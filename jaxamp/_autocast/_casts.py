@@ -61,9 +61,9 @@ def _downcast_source(ctx: _Context, x: Any) -> Any:
     """An fp32 value that ``fn`` upcast from the compute dtype goes back to that value rather
     than through a second cast: exact, and the matmul then saves the original (often a param,
     an argument) instead of a new copy for the backward pass."""
-    entry = ctx.call.upcasts.get(id(x))
-    if entry is not None and entry[0] is x and jnp.dtype(entry[1].dtype) == ctx.compute:
-        return entry[1]
+    source = ctx.call.facts.upcast_from(x)
+    if source is not None and jnp.dtype(source.dtype) == ctx.compute:
+        return source
     return x
 
 

@@ -23,45 +23,104 @@ _FULL_PRECISION = "jaxamp_full_precision"
 
 
 @dataclasses.dataclass
+class _Fact:
+    """What autocast knows of one value it traced."""
+
+    value: Any  # held, so that no other value takes its id while the fact is kept
+    # The half-precision value ``fn`` upcast this fp32 value from: a cast back down returns it.
+    upcast_from: Any = None
+    # recompute=True: an argument, or a cast or view of one. A matmul operand that is cheap is
+    # not saved for the backward pass: it is there already, or recomputed for free.
+    cheap: bool = False
+    # recompute=True: how many elementwise ops (at most ``_NEAR_DEPTH``) this value is from
+    # saved matmul outputs (0: one of them) and cheap values. A matmul operand that is near
+    # is recomputed in the backward pass from the saved outputs rather than saved beside
+    # them: a softmax's probabilities from the scores, a GELU from its matmul's output.
+    near: int | None = None
+    # The argument this value is, or is a view of (a cast, reshape, transpose): which matmul
+    # reads which argument (an FP8 policy keeps the head's in the compute dtype).
+    path: str | None = None
+
+
+class _Facts:
+    """What one call of the autocast function knows of the values it traces: one
+    :class:`_Fact` per value, set where the value is made and handed to the values made from
+    it (:meth:`inherit`). A value's fact is found by the value itself: JAX hands each body it
+    traces (a remat's, a scan's step) new tracers, which :meth:`inherit` ties to the caller's.
+    ``recompute``: the call recomputes in the backward pass (``cheap`` and ``near`` are kept
+    only then)."""
+
+    def __init__(self, recompute: bool = False):
+        self.recompute = recompute
+        self._by_id: dict[int, _Fact] = {}
+
+    def of(self, x: Any) -> _Fact | None:
+        fact = self._by_id.get(id(x))
+        return fact if fact is not None and fact.value is x else None
+
+    def _fact(self, x: Any) -> _Fact:
+        fact = self.of(x)
+        if fact is None:
+            fact = self._by_id[id(x)] = _Fact(x)
+        return fact
+
+    def upcast_from(self, x: Any) -> Any:
+        fact = self.of(x)
+        return None if fact is None else fact.upcast_from
+
+    def cheap(self, x: Any) -> bool:
+        fact = self.of(x)
+        return fact is not None and fact.cheap
+
+    def near(self, x: Any) -> int | None:
+        fact = self.of(x)
+        return None if fact is None else fact.near
+
+    def path(self, x: Any) -> str | None:
+        """The path of the argument ``x`` is (or is a view of), or ``None``."""
+        fact = self.of(x)
+        return None if fact is None else fact.path
+
+    def set(self, x: Any, **fields: Any) -> None:
+        """Records ``fields`` of :class:`_Fact` for ``x``; ``cheap`` and ``near`` only when
+        the call recomputes."""
+        if not self.recompute:
+            fields.pop("cheap", None)
+            fields.pop("near", None)
+        if fields:
+            fact = self._fact(x)
+            for name, value in fields.items():
+                setattr(fact, name, value)
+
+    def view(self, new: Any, old: Any) -> None:
+        """``new`` is a view of ``old`` (a reshape, a transpose): the same argument, and cheap
+        when ``old`` is."""
+        fact = self.of(old)
+        if fact is not None and (fact.path is not None or fact.cheap):
+            self.set(new, path=fact.path, cheap=fact.cheap)
+
+    def inherit(self, new: Any, old: Any, source: Any = None) -> None:
+        """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: the
+        same argument, cheap (as ``source`` may be, the value ``old`` was upcast from), or
+        near kept values."""
+        fact = self.of(old)
+        if fact is not None and fact.path is not None:
+            self.set(new, path=fact.path)
+        if self.cheap(old) or (source is not None and self.cheap(source)):
+            self.set(new, cheap=True)
+        elif fact is not None and fact.near is not None:
+            self.set(new, near=fact.near)
+
+
+@dataclasses.dataclass
 class _Call:
     """What one call of the autocast function learns as it evaluates: its own, never shared
     with another call."""
 
-    # id(fp32 value) -> (that value, the half-precision value it was upcast from).
-    upcasts: dict = dataclasses.field(default_factory=dict)
+    facts: _Facts = dataclasses.field(default_factory=_Facts)
     # The name scopes seen, and whether any op fell in ``fp32_scopes`` (shared by the calls of
     # one trace, for the warning about scopes that matched nothing).
     scopes_seen: dict = dataclasses.field(default_factory=dict)
-    # recompute=True: id -> value of the arguments and their casts and views. A matmul operand
-    # among them is not saved for backward: it is there already, or cheap.
-    cheap: dict | None = None
-    # recompute=True: id -> (value, depth) of the matmuls' outputs (depth 0) and of the values
-    # an elementwise chain of at most ``_NEAR_DEPTH`` ops computes from them (and from cheap
-    # values). A matmul operand among them is recomputed in the backward pass from the saved
-    # matmul outputs rather than saved beside them: a softmax's probabilities from the
-    # scores, a GELU from its matmul's output.
-    near: dict | None = None
-    # id -> (value, path) of the arguments and their views (casts, reshapes, transposes):
-    # which matmul reads which argument (an FP8 policy keeps the head's in the compute dtype).
-    arguments: dict = dataclasses.field(default_factory=dict)
-
-    def argument_path(self, x: Any) -> str | None:
-        """The path of the argument ``x`` is (or is a view of), or ``None``."""
-        entry = self.arguments.get(id(x))
-        return entry[1] if entry is not None and entry[0] is x else None
-
-    def inherit(self, new: Any, old: Any, source: Any = None) -> None:
-        """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: cheap
-        (as ``source`` may be, the value ``old`` was upcast from), or near kept values."""
-        path = self.argument_path(old)
-        if path is not None:
-            self.arguments[id(new)] = (new, path)
-        if self.cheap is not None and (id(old) in self.cheap or id(source) in self.cheap):
-            self.cheap[id(new)] = new
-        elif self.near is not None:
-            entry = self.near.get(id(old))
-            if entry is not None and entry[0] is old:
-                self.near[id(new)] = (new, entry[1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,15 +100,10 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
         if (eqn.primitive.name == "convert_element_type" and is_floating_array(invals[0])
                 and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
-            ctx.call.upcasts[id(outs[0])] = (outs[0], invals[0])
-        if (ctx.call.cheap is not None and eqn.primitive.name in _VIEWS and invals
-                and id(invals[0]) in ctx.call.cheap):
-            ctx.call.cheap[id(outs[0])] = outs[0]
+            ctx.call.facts.set(outs[0], upcast_from=invals[0])
         if eqn.primitive.name in _VIEWS and invals:
-            path = ctx.call.argument_path(invals[0])
-            if path is not None:
-                ctx.call.arguments[id(outs[0])] = (outs[0], path)
-        if ctx.call.near is not None and eqn.primitive.name not in MATMULS:
+            ctx.call.facts.view(outs[0], invals[0])
+        if ctx.call.facts.recompute and eqn.primitive.name not in MATMULS:
             _mark_near(ctx, eqn, invals, outs, outer,
                        [isinstance(v, Literal) or v in constant for v in eqn.invars])
     return outs
@@ -133,9 +128,9 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
         is_remat = higher_order.kind == "remat"
         inner = ctx if ctx.remat_body == is_remat else dataclasses.replace(ctx,
                                                                          remat_body=is_remat)
-        if is_remat and ctx.call.cheap is not None:
+        if is_remat and ctx.call.facts.recompute:
             invals, inner = _entering_model_remat(inner, eqn, invals)
-        each_step_recomputed = (name == "scan" and ctx.call.cheap is not None
+        each_step_recomputed = (name == "scan" and ctx.call.facts.recompute
                                 and ctx.model_remat is None)
 
         def enter(body, const_args=None):

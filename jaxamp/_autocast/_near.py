@@ -26,22 +26,22 @@ _NEAR_DEPTH = 16
 def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) -> int | None:
     """How many elementwise ops ``values`` are from saved matmul outputs and cheap values
     (the deepest of them); ``None`` where one of them is not near."""
-    near, cheap = ctx.call.near or {}, ctx.call.cheap or {}
+    facts = ctx.call.facts
     depth = 0
     for x, c in zip(values, const_in, strict=True):
-        if c or not is_floating_array(x) or id(x) in cheap:
+        if c or not is_floating_array(x) or facts.cheap(x):
             continue
-        entry = near.get(id(x))
-        if entry is None or entry[0] is not x:
+        near = facts.near(x)
+        if near is None:
             return None
-        depth = max(depth, entry[1])
+        depth = max(depth, near)
     return depth
 
 
 def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
                const_in: Sequence[bool]) -> None:
     """Records the outputs of an elementwise op on near values as near."""
-    if ctx.call.near is None or (eqn.primitive.name not in _VIEWS
+    if not ctx.call.facts.recompute or (eqn.primitive.name not in _VIEWS
                             and not _pure_elementwise_like(ctx, eqn, outer)):
         return
     depth = _near_depth(ctx, invals, const_in)
@@ -53,10 +53,10 @@ def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
 def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
     """Records the floating ``outs`` as ``depth`` elementwise ops from kept values, within
     ``_NEAR_DEPTH``."""
-    if ctx.call.near is not None and depth <= _NEAR_DEPTH:
+    if ctx.call.facts.recompute and depth <= _NEAR_DEPTH:
         for x in outs:
             if is_floating_array(x):
-                ctx.call.near[id(x)] = (x, depth)
+                ctx.call.facts.set(x, near=depth)
 
 
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:

@@ -70,7 +70,7 @@ def _nothing_saveable(*_: Any, **__: Any) -> bool:
 def _keeps(ctx: _Context, prim: Any, invals: list, params: Any) -> bool:
     """Whether the outputs of ``prim`` are kept for the backward pass (named ``_KEPT``): a
     matmul's outside a model's remat, and inside one whatever the model's policy saves."""
-    if ctx.call.cheap is None:
+    if not ctx.call.facts.recompute:
         return False
     if ctx.model_remat is None:
         return prim.name in MATMULS
@@ -93,7 +93,7 @@ def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
 
         def body(*traced):
             for outer, x in zip(args, traced, strict=True):
-                ctx.call.inherit(x, outer)
+                ctx.call.facts.inherit(x, outer)
             return run(*traced)
         # Inside a scan, no CSE can merge the recomputation with the forward pass (JAX's
         # advice for remat in scan), and barriers would only hinder XLA.
@@ -114,19 +114,19 @@ def _entering_model_remat(ctx: _Context, eqn: Any, invals: list) -> tuple[list, 
 def _kept(ctx: _Context, values: Sequence[Any]) -> list:
     """``values`` named ``_KEPT`` for the backward pass, the arguments and their casts aside
     (cheap: recomputed)."""
-    cheap = ctx.call.cheap or {}
-    return [checkpoint_name(x, _KEPT) if is_floating_array(x) and id(x) not in cheap else x
+    facts = ctx.call.facts
+    return [checkpoint_name(x, _KEPT) if is_floating_array(x) and not facts.cheap(x) else x
             for x in values]
 
 
 def _each_scan_step(ctx: _Context) -> Callable[[list, list], None] | None:
     """Under ``recompute=True``, a slice of a cheap stacked array is cheap too."""
-    cheap = ctx.call.cheap
-    if cheap is None:
+    facts = ctx.call.facts
+    if not facts.recompute:
         return None
 
     def each_step(slices: list, stacked: list) -> None:
         for x, whole in zip(slices, stacked, strict=True):
-            if id(whole) in cheap:
-                cheap[id(x)] = x
+            if facts.cheap(whole):
+                facts.set(x, cheap=True)
     return each_step

@@ -214,7 +214,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
     outs = (region if ctx.model_remat is not None else jax.checkpoint(region))(*invals)
     for v, x in zip(exports, outs, strict=True):
         env[v] = x
-    if ctx.call.near is not None:  # recomputed from its inputs: near when they are
+    if ctx.call.facts.recompute:  # recomputed from its inputs: near when they are
         depth = _near_depth(ctx, invals, [v in constant for v in inputs])
         if depth is not None:
             _set_near(ctx, outs, depth + 1)

@@ -99,10 +99,10 @@ class _Rule:
         if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
             params["preferred_element_type"] = self.preferred(ctx, invals,
                                                               params["preferred_element_type"])
-        if (ctx.call.cheap is not None and ctx.model_remat is None
-                and eqn.primitive.name in MATMULS):
+        facts = ctx.call.facts
+        if facts.recompute and ctx.model_remat is None and eqn.primitive.name in MATMULS:
             invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
-                      and id(x) not in ctx.call.cheap and id(x) not in (ctx.call.near or {}) else x
+                      and not facts.cheap(x) and facts.near(x) is None else x
                       for x in invals]
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = out if eqn.primitive.multiple_results else [out]
@@ -124,7 +124,7 @@ class _Compute(_Rule):
         for x in invals:
             source = _downcast_source(ctx, x)
             out = _cast(source, ctx.compute)
-            ctx.call.inherit(out, x, source)  # the cast of an argument: recomputed, not saved
+            ctx.call.facts.inherit(out, x, source)  # the cast of an argument: recomputed, not saved
             outs.append(out)
         return outs
 
@@ -185,7 +185,7 @@ class _Fp8(_Compute):
         if not all(is_floating_array(x) for x in invals):
             return _RULES["compute"]
         recipe = ctx.fp8_recipe
-        paths = [ctx.call.argument_path(x) for x in invals]
+        paths = [ctx.call.facts.path(x) for x in invals]
         if recipe.keep and any(p is not None and re.search(recipe.keep, p) for p in paths):
             return _RULES["compute"]
         batch_dims = eqn.params["dimension_numbers"][1][0]
@@ -199,7 +199,7 @@ class _Fp8(_Compute):
         probe = _fp8_errors.active_probe()
         if probe is not None:  # jaxamp.fp8.error_report: each GEMM against its fp32 twin
             # Named by the argument it reads, the rhs's first (``x @ w``: the weight).
-            paths = [ctx.call.argument_path(x) for x in reversed(invals)]
+            paths = [ctx.call.facts.path(x) for x in reversed(invals)]
             site = probe.site(_fp8_errors.argument_name(next((p for p in paths if p), None))
                               or where(eqn), lhs, rhs)
             return [_fp8_errors.probed_dot(probe, site, lhs, rhs, dims, ctx.compute,
