@@ -232,7 +232,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         def evaluate(*arrays):
             facts = _Facts(recompute=recomputed)
             for a, path in zip(arrays, paths, strict=True):  # the arguments: cheap
-                facts.set(a, path=path if quantizes else None, cheap=True)
+                facts.set_path(a, path if quantizes else None)
+                facts.set_cheap(a)
             ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 _FULL_PRECISION = "jaxamp_full_precision"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Fact:
     """What autocast knows of one value it traced."""
 
@@ -54,6 +54,10 @@ class _Facts:
         self.recompute = recompute
         self._by_id: dict[int, _Fact] = {}
 
+    def clear(self) -> None:
+        """Forgets every value (the call is over)."""
+        self._by_id.clear()
+
     def of(self, x: Any) -> _Fact | None:
         fact = self._by_id.get(id(x))
         return fact if fact is not None and fact.value is x else None
@@ -81,35 +85,41 @@ class _Facts:
         fact = self.of(x)
         return None if fact is None else fact.path
 
-    def set(self, x: Any, **fields: Any) -> None:
-        """Records ``fields`` of :class:`_Fact` for ``x``; ``cheap`` and ``near`` only when
-        the call recomputes."""
-        if not self.recompute:
-            fields.pop("cheap", None)
-            fields.pop("near", None)
-        if fields:
-            fact = self._fact(x)
-            for name, value in fields.items():
-                setattr(fact, name, value)
+    def set_upcast(self, x: Any, source: Any) -> None:
+        self._fact(x).upcast_from = source
+
+    def set_path(self, x: Any, path: str | None) -> None:
+        if path is not None:
+            self._fact(x).path = path
+
+    def set_cheap(self, x: Any) -> None:
+        if self.recompute:
+            self._fact(x).cheap = True
+
+    def set_near(self, x: Any, depth: int) -> None:
+        if self.recompute:
+            self._fact(x).near = depth
 
     def view(self, new: Any, old: Any) -> None:
         """``new`` is a view of ``old`` (a reshape, a transpose): the same argument, and cheap
         when ``old`` is."""
         fact = self.of(old)
-        if fact is not None and (fact.path is not None or fact.cheap):
-            self.set(new, path=fact.path, cheap=fact.cheap)
+        if fact is not None:
+            self.set_path(new, fact.path)
+            if fact.cheap:
+                self.set_cheap(new)
 
     def inherit(self, new: Any, old: Any, source: Any = None) -> None:
         """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: the
         same argument, cheap (as ``source`` may be, the value ``old`` was upcast from), or
         near kept values."""
         fact = self.of(old)
-        if fact is not None and fact.path is not None:
-            self.set(new, path=fact.path)
-        if self.cheap(old) or (source is not None and self.cheap(source)):
-            self.set(new, cheap=True)
+        if fact is not None:
+            self.set_path(new, fact.path)
+        if (fact is not None and fact.cheap) or (source is not None and self.cheap(source)):
+            self.set_cheap(new)
         elif fact is not None and fact.near is not None:
-            self.set(new, near=fact.near)
+            self.set_near(new, fact.near)
 
 
 @dataclasses.dataclass

@@ -100,7 +100,7 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
         if (eqn.primitive.name == "convert_element_type" and is_floating_array(invals[0])
                 and is_floating_array(outs[0]) and jnp.dtype(outs[0].dtype) == jnp.float32
                 and jnp.dtype(invals[0].dtype) != jnp.float32):
-            ctx.call.facts.set(outs[0], upcast_from=invals[0])
+            ctx.call.facts.set_upcast(outs[0], invals[0])
         if eqn.primitive.name in _VIEWS and invals:
             ctx.call.facts.view(outs[0], invals[0])
         if ctx.call.facts.recompute and eqn.primitive.name not in MATMULS:

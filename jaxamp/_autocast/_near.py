@@ -56,7 +56,7 @@ def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
     if ctx.call.facts.recompute and depth <= _NEAR_DEPTH:
         for x in outs:
             if is_floating_array(x):
-                ctx.call.facts.set(x, near=depth)
+                ctx.call.facts.set_near(x, depth)
 
 
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:

@@ -128,5 +128,5 @@ def _each_scan_step(ctx: _Context) -> Callable[[list, list], None] | None:
     def each_step(slices: list, stacked: list) -> None:
         for x, whole in zip(slices, stacked, strict=True):
             if facts.cheap(whole):
-                facts.set(x, cheap=True)
+                facts.set_cheap(x)
     return each_step
