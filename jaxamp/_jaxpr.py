@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jaxlib
+import numpy as np
 from jax.extend.core import Literal
 from jax.extend.core import jaxpr_as_fun
 
@@ -28,7 +29,7 @@ from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
 
 __all__ = ["CALLS", "HIGHER_ORDER", "Enter", "HigherOrder", "Interpreter", "Literal", "MATMULS",
-           "body", "environment", "evaluate", "is_backward", "made_order", "nested_stack",
+           "body", "environment", "jaxprs_in", "evaluate", "is_backward", "made_order", "nested_stack",
            "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk", "walk_levels", "where",
            "while_layout"]
 
@@ -173,17 +174,18 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, float]]:
             yield getattr(sub, "jaxpr", sub), mult
         return
     for value in eqn.params.values():
-        yield from ((j, 1.0) for j in _jaxprs_in(value))
+        yield from ((j, 1.0) for j in jaxprs_in(value))
 
 
-def _jaxprs_in(value: Any) -> Iterator[Any]:
+def jaxprs_in(value: Any) -> Iterator[Any]:
+    """The jaxprs in one param's value (a jaxpr, a closed jaxpr, or a tuple of them)."""
     if hasattr(value, "eqns"):
         yield value
     elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
         yield value.jaxpr
     elif isinstance(value, tuple | list):
         for item in value:
-            yield from _jaxprs_in(item)
+            yield from jaxprs_in(item)
 
 
 def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
@@ -284,6 +286,29 @@ def _cast_like(values: Sequence[Any], like: Sequence[Any]) -> list:
             for x, y in zip(values, like, strict=True)]
 
 
+def _carried(eqn: Any, init: list, step: Callable[[list], list]) -> list:
+    """A loop's initial carry in the dtypes its body keeps: each floating carry as wide as
+    the body computes it (``step(carry) -> new carry``), up to the dtype it was traced with.
+    An interpreter may compute a half-precision initial value (``zeros_like`` of a bf16
+    input) and an fp32 update (``decay * h``, ``decay`` fp32): the carry is then fp32, not
+    rounded to bf16 at every step, where a recurrence compounds the rounding. Traced once more
+    (abstractly) only where an initial value is narrower than its traced dtype."""
+    traced = [v.aval.dtype for v in eqn.outvars[:len(init)]]
+    if all(not is_floating_array(x) or wider_float(x.dtype, t) == x.dtype
+           for x, t in zip(init, traced, strict=True)):
+        return list(init)
+    carry = list(init)
+    for _ in range(len(carry) + 1):  # each round widens at least one, or ends
+        out = jax.eval_shape(step, carry)
+        wider = [convert_floating(x, wider_float(x.dtype, o.dtype))
+                 if is_floating_array(x) and is_floating_array(o) else x
+                 for x, o in zip(carry, out, strict=True)]
+        if [x.dtype for x in wider] == [x.dtype for x in carry]:
+            break
+        carry = wider
+    return carry
+
+
 def _run_scan(eqn: Any, invals: list, enter: Enter, const_in: Any,
               each_step: Callable[[list, list], None] | None = None, **_) -> list:
     p = eqn.params
@@ -291,6 +316,8 @@ def _run_scan(eqn: Any, invals: list, enter: Enter, const_in: Any,
     consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
                         invals[n_consts + n_carry:])
     body = enter(p["jaxpr"])
+    x0 = [x[0] for x in xs]
+    init = _carried(eqn, init, lambda c: body(*consts, *c, *x0)[:n_carry])
 
     def step(carry, x):
         if each_step is not None:
@@ -306,6 +333,7 @@ def _run_while(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list
     nc, nb = while_layout(eqn)
     cond_consts, body_consts, init = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
     cond, body = enter(eqn.params["cond_jaxpr"]), enter(eqn.params["body_jaxpr"])
+    init = _carried(eqn, init, lambda c: body(*body_consts, *c))
     return jax.lax.while_loop(lambda c: cond(*cond_consts, *c)[0],
                               lambda c: _cast_like(body(*body_consts, *c), init), list(init))
 
@@ -324,6 +352,57 @@ def _run_cond(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
     return jax.lax.switch(index, [agreeing(b) for b in branches], *operands)
 
 
+def _jvp_rule(eqn: Any) -> Callable[..., tuple[Any, list, list]] | None:
+    """A ``custom_jvp`` equation's rule: ``rule(*zeros) -> (jaxpr, consts, out_zeros)``, the
+    JVP traced for its non-constant inputs (``zeros`` flags the tangents that are symbolic
+    zeros), or ``None`` where this JAX's params hold no rule we know. JAX has no public
+    accessor: the params hold ``jvp_jaxpr_fun`` (a ``WrappedFun``, reached through the
+    equation, never imported; jax 0.10 to 0.12) or ``jvp_jaxpr_thunk`` (a plain function,
+    earlier JAX); tests/test_jax_apis.py pins it."""
+    fun = eqn.params.get("jvp_jaxpr_fun")
+    if fun is not None and callable(getattr(fun, "call_wrapped", None)):
+        return fun.call_wrapped
+    thunk = eqn.params.get("jvp_jaxpr_thunk")
+    return thunk if callable(thunk) else None
+
+
+def _run_custom_jvp(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
+    """A ``custom_jvp`` function bound again as one: its primal body and its own JVP rule,
+    each evaluated by the interpreter, so that the rule, not the primal body, differentiates
+    it (a straight-through estimator, ``jax.nn.relu``'s derivative at 0, a safe norm). The
+    rule's tangents take the dtypes of the primal outputs. Where the rule cannot be read, the
+    primal body is inlined (``None`` from :func:`_jvp_rule`)."""
+    p = eqn.params
+    primal = enter(p["call_jaxpr"], const_in)
+    rule = _jvp_rule(eqn)
+    if rule is None:
+        return primal(*invals)
+    n_consts = int(p["num_consts"])
+
+    def tangent_rule(primals, tangents):
+        jvp, consts, out_zeros = rule(*[False] * (len(primals) - n_consts))
+        from jax.extend.core import ClosedJaxpr  # noqa: PLC0415 - the one use
+        out = enter(ClosedJaxpr(jvp, consts))(*primals[n_consts:], *tangents[n_consts:])
+        primal_out = primal(*primals)
+        nonzero = iter(out[len(out_zeros):])
+        tangent_out = [_zero_tangent(y) if zero else _tangent_like(next(nonzero), y)
+                       for y, zero in zip(primal_out, out_zeros, strict=True)]
+        return primal_out, tangent_out
+    f = jax.custom_jvp(lambda *args: primal(*args))
+    f.defjvp(tangent_rule)
+    return list(f(*invals))
+
+
+def _tangent_like(t: Any, y: Any) -> Any:
+    return convert_floating(t, y.dtype) if is_floating_array(y) else t
+
+
+def _zero_tangent(y: Any) -> Any:
+    if is_floating_array(y):
+        return jax.numpy.zeros_like(y)
+    return np.zeros(np.shape(y), jax.dtypes.float0)
+
+
 def _branches(eqn: Any) -> list[tuple[Any, float]]:
     """The branch of a platform-dependent cond that runs here, else every branch (a report
     shows the upper bound)."""
@@ -334,7 +413,7 @@ def _branches(eqn: Any) -> list[tuple[Any, float]]:
 
 def _every_body(runs: Callable[[Any], float]) -> Callable[[Any], list[tuple[Any, float]]]:
     return lambda eqn: [(j, runs(eqn.params)) for v in eqn.params.values()
-                        for j in _jaxprs_in(v)]
+                        for j in jaxprs_in(v)]
 
 
 def _devices(params: Any) -> float:
@@ -349,8 +428,8 @@ HIGHER_ORDER: dict[str, HigherOrder] = {
                          ("eval_jaxpr", "call_jaxpr"), ("core_call", "call_jaxpr"))},
     **{name: HigherOrder("remat", _one_body("jaxpr"), _run_remat, inline=True)
        for name in ("checkpoint", "remat", "remat2")},
-    "custom_jvp_call": HigherOrder("custom", _one_body("call_jaxpr"),
-                                   _run_body("call_jaxpr"), inline=True),
+    "custom_jvp_call": HigherOrder("custom", _one_body("call_jaxpr"), _run_custom_jvp,
+                                   inline=True),
     **{name: HigherOrder("custom", _one_body(key), None, inline=True)
        for name, key in (("custom_vjp_call", "call_jaxpr"),
                          ("custom_vjp_call_jaxpr", "fun_jaxpr"))},

@@ -70,6 +70,13 @@ class Objective:
         :func:`jaxamp.autocast` with ``autocast``."""
         return _autocast(self.loss_fn, policy) if self.autocast else self.loss_fn
 
+    def batch_under(self, policy: Policy, batch: Any) -> Any:
+        """The batch as ``loss_fn`` gets it under ``policy``: its floating leaves cast to the
+        compute dtype, or as given under ``autocast``, whose rules decide each op's dtype (as
+        PyTorch's autocast never casts its inputs): Fourier features ``sin(2^k x)`` of fp32
+        positions keep their fp32 inputs."""
+        return batch if self.autocast else policy.cast_to_compute(batch)
+
     def scaled(self, policy: Policy, batch: Any, scale: jax.Array, model_state: Any = None,
                rng: Any = None) -> Scaled:
         """The scaled loss of one (cast) micro-batch, to differentiate: a function of the params

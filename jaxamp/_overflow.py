@@ -173,7 +173,7 @@ def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = 
         "has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng,
         "autocast": autocast})
     policy, scale, rng = state.policy, state.loss_scale, step_rng(objective, state)
-    batch = policy.cast_to_compute(batch)
+    batch = objective.batch_under(policy, batch)
     micro_batches = [batch] if k == 1 else [
         jax.tree.map(lambda x, i=i: x[i], split_micro_batches(batch, k)) for i in range(k)]
     model_state = state.model_state

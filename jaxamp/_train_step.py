@@ -3,7 +3,8 @@
 ``make_train_step(loss_fn, ...)`` returns a pure ``step(state, batch) -> (state, metrics)``
 that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
 
-1. cast the floating leaves of the batch to the compute dtype;
+1. cast the floating leaves of the batch to the compute dtype (under ``autocast``, the batch
+   stays as given: the rules decide each op's dtype);
 2. take the gradient of ``loss * scale`` with respect to the working params;
 3. with ``accum_steps=k``, split the batch into k micro-batches and sum their gradients in fp32
    under ``lax.scan``, all with the same scale;
@@ -337,7 +338,7 @@ class TrainStep:
         mp = _checked_optimizer_state(state)
         placed = self.distribution.place(self, state, batch)
         scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
-        batch = state.policy.cast_to_compute(batch)
+        batch = self.objective.batch_under(state.policy, batch)
         # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices.
         loss, grads, new_model_state, aux, seen = placed.gradients(self, state, mp, scale,
                                                                    batch,

@@ -471,7 +471,7 @@ def test_effects_pass_through(capsys):
     assert "mean" in capsys.readouterr().out
 
 
-def test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype():
+def test_cond_and_switch_promote_their_branches_and_a_while_carry_takes_its_bodys_fp32():
     def f(w, x):
         h = x @ w                                                            # bf16
         c = lax.cond(jnp.sum(h) > 0, lambda t: t * 2.0, jnp.exp, h)          # bf16 | fp32
@@ -485,7 +485,7 @@ def test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtyp
                            for v in b.jaxpr.outvars}))
                    for e in eqns(jaxamp.autocast(f), W, X) if e.primitive.name in ("cond", "while"))
     assert found == [("cond", "float32", ("float32",)), ("cond", "float32", ("float32",)),
-                     ("while", "bfloat16", ())]
+                     ("while", "float32", ())]
 
 
 def _closed_call(fn, *args):
@@ -1326,6 +1326,64 @@ def test_attention_calls_are_found_where_jax_traced_them():
         assert len(call.body.jaxpr.eqns) == len(call.indices)
 
 
+def test_attention_calls_given_one_array_for_several_inputs_are_found():
+    """One array given as the key and the value (``k is v``), or as all three inputs
+    (self-attention's ``q is k is v``), is read where the first of them is: the call is found
+    all the same, with the array at each of its places, as are distinct arrays."""
+    from jaxamp import _attention
+    x, y, z = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
+    bias = jnp.zeros((1, 4, 8, 8))
+
+    def f(x, y, z, bias):
+        o = jax.nn.dot_product_attention(x, y, z)                  # distinct
+        o = jax.nn.dot_product_attention(o, y, y, scale=0.5)       # k is v
+        o = jax.nn.dot_product_attention(o, o, o, is_causal=True)  # q is k is v
+        o = jax.nn.dot_product_attention(o, y, y, bias)            # k is v, and a bias
+        return jax.nn.dot_product_attention(o, o, o, bias)         # q is k is v, and a bias
+
+    jaxpr = jax.make_jaxpr(f)(x, y, z, bias).jaxpr
+    calls = list(_attention.find_calls(jaxpr).values())
+    plain = {"scale": 0.25, "is_causal": False, "bias": False, "mask": False}
+    assert [c.options for c in calls] == [
+        plain, {**plain, "scale": 0.5}, {**plain, "is_causal": True}, {**plain, "bias": True},
+        {**plain, "bias": True}]
+    # Which of the call's places (query, key, value, bias) hold one array.
+    same = [[[i for i, u in enumerate(c.inputs) if u is w] for w in c.inputs] for c in calls]
+    assert same == [[[0], [1], [2]], [[0], [1, 2], [1, 2]], [[0, 1, 2]] * 3,
+                    [[0], [1, 2], [1, 2], [3]], [[0, 1, 2]] * 3 + [[3]]]
+    x_, y_, z_, bias_ = jaxpr.invars
+    assert calls[0].inputs == (x_, y_, z_) and calls[1].inputs[1:] == (y_, y_)
+    assert calls[3].inputs[1:] == (y_, y_, bias_) and calls[4].inputs[3] is bias_
+    for call in calls:  # JAX's function on the call's inputs, equation for equation
+        assert len(call.body.jaxpr.eqns) == len(call.indices)
+
+
+def test_the_limitations_page_says_which_attention_calls_are_found():
+    """docs/limitations.md's fused-attention bullet, against the finder (and the autocast
+    page): a call of the function imported by name, and one inside a function jitted before
+    autocast traces it (its jaxpr cached, the call found in the nested jaxpr), are found."""
+    from jax.nn import dot_product_attention
+
+    from jaxamp import _attention
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
+    by_name = jax.make_jaxpr(lambda q, k, v: dot_product_attention(q, k, v))(q, k, v)
+    assert len(_attention.find_calls(by_name.jaxpr)) == 1
+    jitted = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v))
+    jitted(q, k, v)
+    (call,) = jax.make_jaxpr(lambda q, k, v: jitted(q, k, v))(q, k, v).jaxpr.eqns
+    assert len(_attention.find_calls(call.params["jaxpr"].jaxpr)) == 1
+    text = (pathlib.Path(ROOT) / "docs" / "limitations.md").read_text()
+    bullets = [" ".join(b.split()) for b in re.split(r"^- ", text, flags=re.M)]
+    (bullet,) = [b for b in bullets if b.startswith("The fused attention covers")]
+    for found in ("imported by name (`from jax.nn import dot_product_attention`)",
+                  "inside a function jitted before autocast traces it"):
+        assert found in bullet, found
+    autocast_page = " ".join((pathlib.Path(ROOT) / "docs" / "concepts" / "autocast.md")
+                             .read_text().split())
+    assert ("a function imported by name (`from jax.nn import dot_product_attention`) is "
+            "found too") in autocast_page
+
+
 def test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does():
     """Nothing of JAX's is replaced while autocast traces (``jax.nn.dot_product_attention`` is
     JAX's own in the model), on an error too. Without cuDNN (this CPU lane) a found call runs
@@ -1463,12 +1521,14 @@ def test_recompute_saves_an_operand_a_long_chain_away_from_the_saved_values():
     assert saved(9) == {"bfloat16": 2 * one}  # 18: the operand is saved beside x @ w1
 
 
-def test_a_function_with_effects_is_not_recomputed(capsys):
+def test_a_function_with_an_io_callback_is_not_recomputed():
+    calls = []
+
     def f(w, x):
-        jax.debug.print("forward")
+        jax.experimental.io_callback(lambda: calls.append(1), None, ordered=True)
         return jnp.mean(jnp.tanh(x @ w))
     jax.block_until_ready(jax.grad(jaxamp.autocast(f))(W, X))
-    assert capsys.readouterr().out.count("forward") == 1
+    assert len(calls) == 1
 
 
 def test_an_fp32_scope_that_matches_nothing_is_warned_about():
@@ -1638,7 +1698,9 @@ PAGE_CLAIMS = {
         "path",),
     "Convolutions keep the `compute` rule": (
         "tests/test_fp8.py::test_mixed_fp8_keeps_convolutions_in_bf16_and_linen_dense_in_fp8",),
-    "`custom_vjp` functions, `shard_map` and `pmap` bodies, callbacks": (
+    "`custom_vjp` functions (primal and rule), `shard_map` and `pmap` bodies, callbacks": (
+        "tests/test_autocast_programs.py::"
+        "test_a_custom_vjp_is_differentiated_by_its_own_rule_in_fp32",
         AC + "test_fp32_scopes_and_full_precision_regions",
         AC + "test_a_user_custom_vjp_runs_in_the_dtypes_it_was_written_for",
         AC + "test_shard_map_inside_and_outside_an_autocast_function",
@@ -1678,6 +1740,14 @@ PAGE_CLAIMS = {
     "A step whose loss is inf or nan is skipped": (
         AC + "test_a_step_whose_loss_is_not_finite_is_skipped_under_autocast",
         "tests/test_train_step.py::test_a_nonfinite_loss_with_finite_gradients_skips_the_step"),
+    "Ops whose params hold a function traced for their operands' dtypes keep those dtypes": (
+        "tests/test_autocast_programs.py::"
+        "test_scatters_and_reductions_with_a_combiner_lower_and_match_fp32",
+        "tests/test_autocast_programs.py::test_reduce_windows_with_a_body_lower_and_match_fp32",
+        "tests/test_autocast_programs.py::test_a_graph_network_trains_through_the_step_under_autocast"),
+    "An embedding lookup's gradient (a `gather`'s transpose, a scatter-add over the batch) is "
+    "summed in fp32": (
+        "tests/test_autocast_programs.py::test_an_embeddings_gradient_is_summed_in_fp32",),
     "Bias and broadcast gradients are summed in fp32": (
         AC + "test_bias_and_broadcast_gradients_sum_in_fp32",),
     "a param row taken by index and broadcast (`x * w[i][None, None, :]`) included": (
@@ -1692,15 +1762,18 @@ PAGE_CLAIMS = {
     "it": (
         AC + "test_jit_remat_custom_jvp_inside_are_entered",
         AC + "test_a_models_remat_policy_decides_what_is_kept_inside_it"),
-    "`scan` and `while` (the carry keeps the dtype of its initial value": (
+    "`scan` and `while` (the carry as wide as its initial value or what the body computes": (
         AC + "test_a_scan_over_layers_keeps_its_fp32_carry_and_runs_bf16_matmuls",
         AC + "test_scan_over_layers_stays_a_scan_with_an_fp32_carry",
-        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype"),
+        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_takes_its_bodys_fp32",
+        "tests/test_autocast_programs.py::test_a_recurrence_keeps_its_fp32_carry_and_matches_fp32"),
     "`cond`/`switch` (the branches' outputs promoted to one dtype)": (
-        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_keeps_its_dtype",
+        AC + "test_cond_and_switch_promote_their_branches_and_a_while_carry_takes_its_bodys_fp32",
         AC + "test_while_and_cond_agree_on_dtypes"),
-    "whose primal body is evaluated under the rules and differentiated as it is": (
+    "whose primal body and JVP rule are each evaluated under the rules, so that its own rule "
+    "differentiates it": (
         AC + "test_jit_remat_custom_jvp_inside_are_entered",
+        "tests/test_autocast_programs.py::test_a_custom_jvp_is_differentiated_by_its_own_rule",
         AC + "test_values_computed_in_fp32_reach_the_next_fp32_op_unrounded"),
     # Memory
     "is computed under `jax.checkpoint` from its half-precision inputs": (
@@ -1719,8 +1792,10 @@ PAGE_CLAIMS = {
         AC + "test_recompute_keeps_the_outputs_of_sorts_pooling_windows_and_cumulative_ops",),
     "`recompute=False` keeps JAX's default: every intermediate the derivative reads": (
         AC + "test_recompute_keeps_only_the_matmul_outputs_for_the_backward_pass",),
-    "Functions with side effects (`jax.debug.print`, callbacks) are never recomputed": (
-        AC + "test_a_function_with_effects_is_not_recomputed",),
+    "A `jax.debug.print` or `jax.debug.callback` does not change what is recomputed": (
+        "tests/test_autocast_programs.py::test_a_debug_print_does_not_change_what_is_recomputed",),
+    "Functions with other side effects (`io_callback`, state) are not recomputed": (
+        AC + "test_a_function_with_an_io_callback_is_not_recomputed",),
     "**A model's own remat is kept.**": (
         AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32",
         AC + "test_a_models_remat_policy_decides_what_is_kept_inside_it",
@@ -1751,6 +1826,9 @@ PAGE_CLAIMS = {
     "so a function imported by name (`from jax.nn import dot_product_attention`) is found too": (
         AC + "test_attention_calls_are_found_where_jax_traced_them",
         GPU + "test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn"),
+    "One array given for several inputs (`k is v`, self-attention's `q is k is v`) is found as "
+    "well": (
+        AC + "test_attention_calls_given_one_array_for_several_inputs_are_found",),
     "two threads tracing at once do not see each other's work": (
         AC + "test_two_autocast_traces_racing_in_threads_leave_jax_as_it_was",
         GPU + "test_attention_imported_by_name_and_traced_in_two_threads_compiles_to_cudnn"),

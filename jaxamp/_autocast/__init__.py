@@ -16,7 +16,8 @@ rule            primitives
                 run in half precision as well. Accumulation is fp32 inside the kernel where
                 the backend does that (cuBLAS, cuDNN, XLA:CPU).
 ``float32``     exp, exp2, log, log1p, expm1, logistic, erf, erfc, erf_inv, pow, rsqrt,
-                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, fft, and the
+                sqrt, cbrt, tan, lgamma, digamma, cumsum, cumprod, cumlogsumexp, fft, linear
+                algebra (cholesky, lu, qr, svd, eigh, solves), complex, and the
                 reductions ``reduce_sum`` and ``reduce_prod`` behind softmax, logsumexp,
                 normalization statistics and losses: floating inputs cast to fp32. Also
                 ``reduce_max``/``reduce_min`` (exact in any dtype), so that the sums in their
@@ -46,11 +47,13 @@ what ``fn`` returns is cast to ``policy.output_dtype``.
 
 Nested jaxprs are entered: ``jit``/``pjit`` and ``closed_call`` inline, ``remat``/``checkpoint``
 (re-wrapped with its policy, which alone decides what is kept inside it, ``recompute=True``
-keeping its inputs and nothing more), ``scan`` and ``while`` (the carry keeps the dtype of its
-initial value; jax#27144), ``cond``/``switch`` (the branches' outputs promoted to one dtype), and
-``custom_jvp`` functions (``jax.nn.relu``, ``softplus``, ``softmax``): their primal body is
-evaluated under the rules and differentiated as it is, since a JVP rule written for fp32 cannot
-be kept for a bf16 body.
+keeping its inputs and nothing more), ``scan`` and ``while`` (the carry as wide as its initial
+value or what the body computes, up to its traced dtype), ``cond``/``switch`` (the branches'
+outputs promoted to one dtype), and ``custom_jvp`` functions (``jax.nn.relu``, a
+straight-through estimator): their primal body and their JVP rule are each evaluated under the
+rules, so that their own rule differentiates them. Ops whose params hold a function traced for
+their operands' dtypes (scatters and reductions with a combiner, ``custom_linear_solve``)
+take the ``original`` rule; an embedding lookup's gradient is summed in fp32.
 
 No value computed in fp32 is rounded to half on its way to the next fp32 op: ``fn`` is
 traced as written in fp32, so JAX's own casts back to a half dtype (``jnp.sum`` and
@@ -119,10 +122,13 @@ from jaxamp._autocast._context import _Call
 from jaxamp._autocast._context import _Context
 from jaxamp._autocast._context import _Facts
 from jaxamp._autocast._interpreter import _evaluate
+from jaxamp._autocast._recompute import _DEBUG_CALLBACKS
 from jaxamp._autocast._recompute import _saveable
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
 from jaxamp._fp8 import CurrentScaling
+from jaxamp._jaxpr import sub_jaxprs as _sub_jaxprs
+from jaxamp._jaxpr import walk
 from jaxamp._policy import get_policy
 from jaxamp._tree import tree_path_str
 
@@ -176,7 +182,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         and recompute the elementwise ops between them, as PyTorch's fused GELU, softmax and
         norms keep only their inputs. ``False`` keeps JAX's default: every intermediate the
         derivative reads (a tanh GELU alone saves six tensors of its input's size). Functions
-        with side effects (``jax.debug.print``, callbacks) are never recomputed.
+        with other side effects than ``jax.debug.print`` and ``jax.debug.callback`` (which run
+        once, in the forward pass) are not recomputed.
 
     Returns:
       A function with ``fn``'s signature.
@@ -225,7 +232,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
             *[_as_written(x) for x in arrays])
 
-        recomputed = recompute and context.regions and not closed.effects
+        recomputed = recompute and context.regions and _only_debug_effects(closed)
 
         scopes_seen: dict = {}
 
@@ -244,6 +251,15 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
+
+
+def _only_debug_effects(closed: Any) -> bool:
+    """Whether ``fn``'s only side effects are debug callbacks (``jax.debug.print``,
+    ``jax.debug.callback``), which ``recompute=True``'s policy runs once, in the forward
+    pass; another effect (an ``io_callback``, a state) would run again in the backward pass."""
+    return not closed.effects or all(
+        eqn.primitive.name in _DEBUG_CALLBACKS for eqn, _ in walk(closed.jaxpr)
+        if eqn.effects and next(_sub_jaxprs(eqn), None) is None)
 
 
 def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -14,6 +14,8 @@ from jaxamp._autocast._rules import _EVERYTHING_FLOAT32_RULE
 from jaxamp._autocast._rules import _FLOAT32_RULE
 from jaxamp._autocast._rules import _ORIGINAL_RULE
 from jaxamp._autocast._rules import _RULES
+from jaxamp._jaxpr import HIGHER_ORDER
+from jaxamp._jaxpr import jaxprs_in as _jaxprs_in
 
 if TYPE_CHECKING:
     from jaxamp._autocast._rules import _Rule
@@ -162,7 +164,20 @@ class _Context:
             seen[stack] = seen.get(stack, False) or matched
             if matched:
                 return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
-        return _RULES[self.rules.get(eqn.primitive.name, "promote")]
+        name = eqn.primitive.name
+        if name not in self.rules and _holds_jaxpr(eqn):
+            return _ORIGINAL_RULE
+        return _RULES[self.rules.get(name, "promote")]
+
+
+def _holds_jaxpr(eqn: Any) -> bool:
+    """A primitive that is no higher-order primitive autocast enters but whose params hold a
+    jaxpr: a scatter's or a reduction's combiner (``segment_sum``, ``x.at[i].max``,
+    ``lax.reduce`` with a body), a linear solve's functions, a kernel. The jaxpr was traced
+    for the dtypes of the operands, which it must keep: such an op takes the ``original``
+    rule (an fp32 accumulator for a model written in fp32)."""
+    return eqn.primitive.name not in HIGHER_ORDER and any(
+        next(_jaxprs_in(v), None) is not None for v in eqn.params.values())
 
 
 def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:

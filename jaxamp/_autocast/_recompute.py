@@ -36,6 +36,11 @@ _SAVED = frozenset((*MATMULS, "scaled_matmul_wrapper", "dot_product_attention_fw
                     "cumlogsumexp", "cumprod", "cummax", "cummin"))
 
 
+# Debug callbacks that the policy "saves": JAX then runs them once, in the forward pass
+# (``jax.debug.print`` under a checkpoint that recomputes would print twice).
+_DEBUG_CALLBACKS = ("debug_callback", "debug_print")
+
+
 _OPERAND = "jaxamp_matmul_operand"
 
 
@@ -59,7 +64,7 @@ def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     if prim.name == "name":
         return params.get("name") in (_KEPT, _OPERAND, RESIDUAL_NAME, OUTPUT_NAME,
                                       ops.SAVED_NAME)
-    return prim.name in _SAVED and prim.name not in MATMULS
+    return prim.name in _SAVED and prim.name not in MATMULS or prim.name in _DEBUG_CALLBACKS
 
 
 def _nothing_saveable(*_: Any, **__: Any) -> bool:

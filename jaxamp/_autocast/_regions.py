@@ -19,6 +19,7 @@ from jaxamp._autocast._near import _pure_elementwise_like
 from jaxamp._autocast._near import _set_near
 from jaxamp._autocast._rules import _FLOAT32_RULE
 from jaxamp._jaxpr import CALLS
+from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import body as _jaxpr_body
@@ -112,16 +113,24 @@ def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
     ops (a remat'd block's output; what a called or custom function returns stays as it is,
     and what ``fn`` returns is cast to ``output_dtype``). A statistic or a
     sum (smaller than the region's largest floating input), which any op may read at fp32 for
-    almost no memory, and a value read by another fp32 op stay fp32: no statistic computed in
+    almost no memory, a value read by a loop or a branch (:func:`_loops`) and a value read by
+    another fp32 op stay fp32: no statistic computed in
     fp32 is rounded on its way to the next fp32 op."""
     outside = [level.eqns[c] for c in level.consumers.get(v, ()) if c not in members]
     leaves = ctx.remat_body and v in level.outvars  # read by the caller's ops
     if not (outside or leaves) or not is_floating_array(v.aval):
         return False
     largest = max((_size(u) for u in inputs if is_floating_array(u.aval)), default=0)
-    if _size(v) < largest:
+    if _size(v) < largest or any(_loops(e) for e in outside):
         return False
     return not any(ctx.rule(e, nested_stack(e, outer)).opens_region for e in outside)
+
+
+def _loops(eqn: Any) -> bool:
+    """A loop or a branch, whose body may carry the value from step to step: a decay
+    ``exp(-exp(nu))`` near 1 rounded to bf16 is 1, and a recurrence compounds it."""
+    known = HIGHER_ORDER.get(eqn.primitive.name)
+    return known is not None and known.kind in ("loop", "branch")
 
 
 def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp import _fp8_errors
 from jaxamp._autocast._casts import _ELEMENTWISE
+from jaxamp._autocast._casts import _HALF
 from jaxamp._autocast._casts import _broadcast
 from jaxamp._autocast._casts import _broadcast_operands
 from jaxamp._autocast._casts import _cast
@@ -36,13 +37,21 @@ if TYPE_CHECKING:
 
 _FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "pow",
             "rsqrt", "sqrt", "cbrt", "tan", "lgamma", "digamma", "cumsum", "cumprod",
-            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "fft")
+            "cumlogsumexp", "reduce_sum", "reduce_prod", "reduce_max", "reduce_min", "fft",
+            # Linear algebra: LAPACK and cuSOLVER take no half precision, and torch's autocast
+            # runs it in fp32 too. ``complex`` takes fp32 or fp64 parts only.
+            "cholesky", "lu", "qr", "svd", "eigh", "eig", "schur", "hessenberg",
+            "householder_product", "tridiagonal", "tridiagonal_solve", "triangular_solve",
+            "lu_pivots_to_permutation", "complex")
 
 
 # Primitives whose rules were written for the dtypes they were traced with.
 _ORIGINAL = ("custom_vjp_call", "custom_vjp_call_jaxpr", "shard_map", "xla_pmap", "pmap",
              "debug_callback", "pure_callback", "io_callback", "custom_transpose_call",
-             "custom_lin")
+             "custom_lin",
+             # Their params hold the dtypes they were traced with (a bit width, a conj's
+             # input dtype).
+             "bitcast_convert_type", "conj")
 
 
 DEFAULT_RULES: Mapping[str, str] = {
@@ -104,13 +113,32 @@ class _Rule:
             invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
                       and not facts.cheap(x) and facts.near(x) is None else x
                       for x in invals]
+        summed = _sums_in_its_transpose(eqn, invals) if self.rewrites else None
+        if summed is not None:  # gathered from fp32, rounded back: summed in fp32 backward
+            invals = [_cast(invals[0], jnp.float32), *invals[1:]]
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = out if eqn.primitive.multiple_results else [out]
+        if summed is not None:
+            outs = [_cast(outs[0], summed)]
         if _keeps(ctx, eqn.primitive, invals, params):
             outs = [checkpoint_name(x, _KEPT) if is_floating_array(x) else x for x in outs]
         if eqn.primitive.name in MATMULS:
             _set_near(ctx, outs, 0)  # saved (``_SAVED``)
         return outs
+
+
+def _sums_in_its_transpose(eqn: Any, invals: list) -> Any:
+    """The half dtype of a ``gather``'s operand (an embedding lookup), else ``None``. Its
+    transpose is a scatter-add of the cotangents into the table, which sums a token's every
+    occurrence in the batch: in bf16 a token that makes up most of a batch gets its row's
+    gradient off by a third. Gathered from the operand in fp32 and rounded back (exact, the
+    casts fused into the gather), the backward pass casts the cotangents to fp32, sums them
+    there and rounds each row once, as a half-precision broadcast's gradient
+    (:func:`_broadcast`)."""
+    if eqn.primitive.name != "gather" or not invals or not is_floating_array(invals[0]):
+        return None
+    dtype = jnp.dtype(invals[0].dtype)
+    return dtype if dtype in _HALF else None
 
 
 class _Compute(_Rule):
