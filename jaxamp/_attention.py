@@ -12,7 +12,8 @@ JAX's changed:
    ``implementation=None``: a call that names ``"xla"`` traces the same equations from another
    line, and runs as asked) and from the same caller.
 2. **The same equations again.** The run's inputs (query, key, value, then a bias and a mask
-   where the call has them) and the scale it multiplies the scores by give the call's options;
+   where the call has them; one array may be several of them, ``k is v`` or self-attention's
+   ``q is k is v``) and the scale it multiplies the scores by give the call's options;
    JAX's function, traced again on those inputs with those options, must give the run's
    equations one for one (primitives, parameters, literals and data flow), from the same line.
    Where nothing matches (a ``vmap`` of the call, sequence lengths, a local window, the
@@ -166,11 +167,7 @@ def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> 
     masks = [v for v in inputs if v.aval.dtype == jnp.bool_]
     if scale is None or len(floats) + len(masks) != len(inputs) or len(masks) > 1:
         return None
-    # The query is read first; a bias is read before the key and value (4-d operands) or
-    # after them (3-d operands, made 4-d first).
-    orders: dict[int, list[tuple[int, ...]]] = {3: [(0, 1, 2)],
-                                                4: [(0, 2, 3, 1), (0, 1, 2, 3)]}
-    for order in orders.get(len(floats), []):
+    for order in _orders(len(floats)):
         ordered = (*[floats[k] for k in order], *masks)
         for is_causal in (False, True):
             options = {"scale": scale, "is_causal": is_causal, "bias": len(order) == 4,
@@ -184,6 +181,44 @@ def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> 
                 return Call(tuple(indices), ordered, outputs[0], options, body, dots[0],
                             equations, tuple(reads))
     return None
+
+
+# The order in which the equations of JAX's function read its floating inputs: the query
+# first; a bias before the key and value (4-d operands) or after them (3-d operands, made 4-d
+# first).
+_READ_ORDERS = (("query", "key", "value"), ("query", "bias", "key", "value"),
+                ("query", "key", "value", "bias"))
+_ARGUMENTS = ("query", "key", "value", "bias")
+
+
+@functools.cache
+def _orders(n: int) -> tuple[tuple[int, ...], ...]:
+    """Each way a call may have read ``n`` distinct floating inputs, as the index of each of its
+    arguments (query, key, value, then a bias) among them, in the order they were first read.
+
+    One array may be given for several arguments (``key is value``, self-attention's ``query
+    is key is value``): the call's equations read it where they read the first of them, so
+    ``n`` can be below the number of arguments. A bias is an array of its own. The re-trace
+    decides between the ways."""
+    orders = []
+    for read in _READ_ORDERS:
+        for indices in _first_read_indices(len(read), n):
+            given = dict(zip(read, indices, strict=True))
+            order = tuple(given[a] for a in _ARGUMENTS if a in given)
+            if order not in orders and ("bias" not in given
+                                        or indices.count(given["bias"]) == 1):
+                orders.append(order)
+    return tuple(orders)
+
+
+def _first_read_indices(length: int, n: int) -> list[tuple[int, ...]]:
+    """The sequences of ``length`` indices that use each index below ``n``, each first used
+    after every smaller one: (0, 1, 1) for query, key, value with the key given as the value."""
+    sequences: list[tuple[int, ...]] = [()]
+    for _ in range(length):
+        sequences = [(*s, i) for s in sequences
+                     for i in range(min(max(s, default=-1) + 2, n))]
+    return [s for s in sequences if len(set(s)) == n]
 
 
 def _alias(v: Any, aliases: dict) -> Any:
@@ -213,7 +248,7 @@ def _reference(avals: tuple, scale: float, is_causal: bool, bias: bool,
     try:
         return jax.make_jaxpr(call)(*[jax.ShapeDtypeStruct(s, d, weak_type=w)
                                       for s, d, w in avals])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AssertionError):  # JAX asserts some shapes
         return None
 
 

@@ -84,17 +84,29 @@ def _is_fp8(dtype_name: str) -> bool:
     return dtype_name.startswith("float8")
 
 
+def _is_extended(aval: Any) -> bool:
+    """A JAX extended dtype, such as a typed PRNG key's (``jax.random.key``: ``key<fry>``),
+    which is no NumPy dtype: ``jnp.dtype`` rejects it."""
+    return jnp.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
 def _dtype_name(aval: Any) -> str:
-    return jnp.dtype(aval.dtype).name if hasattr(aval, "dtype") else str(aval)
+    """``'bfloat16'``, ``'float32'``, ...; an extended dtype by its own name (``'key<fry>'``)."""
+    if not hasattr(aval, "dtype"):
+        return str(aval)
+    return str(aval.dtype) if _is_extended(aval) else jnp.dtype(aval.dtype).name
 
 
 def _nbytes(aval: Any) -> int:
+    """The bytes an array of ``aval`` holds: a typed PRNG key counts its key data (two uint32
+    words a key for ``threefry``), another extended dtype nothing."""
     if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
         return 0
-    try:
-        return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
-    except TypeError:  # extended dtypes (PRNG keys)
+    if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        aval = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    elif _is_extended(aval):
         return 0
+    return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize
 
 
 def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> float:
@@ -298,7 +310,8 @@ class AuditReport:
     one entry per primitive, dtype, shape and source line."""
     saved_bytes_by_dtype: dict[str, int]
     """Bytes of the activations saved for the backward pass, by dtype (arguments and
-    closed-over constants excluded)."""
+    closed-over constants excluded). A typed PRNG key is counted under its own dtype
+    (``'key<fry>'``), by its key data."""
     casts: dict[str, dict[str, float]]
     """The casts (``convert_element_type``) by ``'source -> target'`` dtypes, each a dict of
     ``'count'`` and ``'bytes'`` (read plus written)."""

@@ -28,10 +28,10 @@ from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
 
-__all__ = ["CALLS", "HIGHER_ORDER", "Enter", "HigherOrder", "Interpreter", "Literal", "MATMULS",
-           "body", "environment", "jaxprs_in", "evaluate", "is_backward", "made_order", "nested_stack",
-           "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk", "walk_levels", "where",
-           "while_layout"]
+__all__ = ["CALLS", "Enter", "HIGHER_ORDER", "HigherOrder", "Interpreter", "Literal", "MATMULS",
+           "body", "environment", "evaluate", "is_backward", "jaxprs_in", "made_order",
+           "nested_stack", "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk",
+           "walk_levels", "where", "while_layout"]
 
 MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general")
 """The primitives that multiply matrices (``ragged_dot`` is JAX's name before

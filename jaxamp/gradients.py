@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxamp._tree import floating_leaves
 from jaxamp._tree import floating_leaves_with_path
@@ -70,10 +72,16 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
     fp32, so squares of large scaled fp16 gradients do not overflow. No reshape: flattening a
     gradient sharded along a minor axis would all-gather it, while a contraction over a
     sharded axis leaves a partial sum per device and one scalar all-reduce.
+
+    On a mesh's ``Explicit`` axes the leaf's type names its split, and JAX asks a contraction
+    over a split axis where its result goes: a replicated scalar, on the leaf's mesh.
     """
     x = jnp.asarray(x)
     axes = tuple(range(x.ndim))
-    return lax.dot_general(x, x, ((axes, axes), ((), ())), preferred_element_type=jnp.float32)
+    sharding = jax.typeof(x).sharding
+    split = any(p is not None for p in sharding.spec)  # only Explicit axes appear in a type
+    return lax.dot_general(x, x, ((axes, axes), ((), ())), preferred_element_type=jnp.float32,
+                           out_sharding=NamedSharding(sharding.mesh, P()) if split else None)
 
 
 def grad_stats(grads: Any, scale: Any = None) -> GradStats:

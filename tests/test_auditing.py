@@ -688,6 +688,59 @@ def test_train_step_of_a_clean_bfloat16_model_runs_its_matmuls_in_bfloat16():
         assert len(model) == 5
 
 
+def dropout_loss(params, x, rng):
+    h = x @ params["w"]
+    keep = jax.random.bernoulli(rng, 0.5, h.shape)
+    return jnp.mean(jnp.where(keep, h, 0.0) ** 2)
+
+
+def test_train_step_with_dropout_on_the_step_rng():
+    """``has_rng=True`` under autocast: the step's folded key is a residual of the step, a
+    ``key<fry>`` that is no NumPy dtype. It is counted by its key data (two uint32 words), and
+    the matmuls are reported as for any step."""
+    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params={"w": jnp.ones((4, 3))}, tx=tx,
+                                     rng=jax.random.key(0))
+    step = jaxamp.make_train_step(dropout_loss, has_rng=True, autocast=True)
+    for fn in (step, jax.jit(step)):
+        report = jaxamp.audit(fn, state, jnp.ones((2, 4)))
+        assert report.share("bfloat16") == 1.0
+        # x @ w and dW = g.T @ x (x is the batch: no gradient).
+        model = [s.flops for s in report.matmuls if "test_auditing.py" in s.where]
+        assert model == [2 * 2 * 4 * 3, 2 * 2 * 4 * 3]
+        assert report.saved_bytes_by_dtype["key<fry>"] == 8
+
+
+@jax.custom_vjp
+def saved_key_dropout(x, key):
+    return jnp.where(jax.random.bernoulli(key, 0.5, x.shape), x, 0.0)
+
+
+def _saved_key_dropout_fwd(x, key):
+    return saved_key_dropout(x, key), key  # the key alone is saved
+
+
+def _saved_key_dropout_bwd(key, g):
+    return jnp.where(jax.random.bernoulli(key, 0.5, g.shape), g, 0.0), None
+
+
+saved_key_dropout.defvjp(_saved_key_dropout_fwd, _saved_key_dropout_bwd)
+
+
+@pytest.mark.parametrize("impl, nbytes", [("threefry2x32", 8), ("rbg", 16)])
+def test_a_saved_prng_key_counts_its_key_data(impl, nbytes):
+    def f(w, x, key):
+        return saved_key_dropout(x @ w, jax.random.fold_in(key, 1))
+    w, x, key = jnp.ones((4, 3)), jnp.ones((2, 4)), jax.random.key(0, impl=impl)
+    name = str(key.dtype)
+    forward = jaxamp.audit(f, w, x, key)
+    assert forward.saved_bytes_by_dtype == {name: nbytes}
+    assert forward.matmul_flops_by_operands == {"float32": 2 * 2 * 4 * 3}
+    grad = jaxamp.audit_grad(f, w, x, key)
+    assert grad.saved_bytes_by_dtype == {name: nbytes}
+    assert grad.matmul_flops_by_operands == {"float32": 2 * 2 * 2 * 4 * 3}
+
+
 # --------------------------------------------------------------------------------------------
 # The report
 # --------------------------------------------------------------------------------------------

@@ -287,7 +287,8 @@ def test_a_debug_print_does_not_change_what_is_recomputed(capfd):
     0.630x fp32's saved bytes). Where the backward pass recomputes the printed value, it
     prints again, as under a ``jax.checkpoint`` of JAX's own."""
     k = jax.random.split(jax.random.key(5), 4)
-    w = {n: jax.random.normal(kk, (64, 64)).astype(BF16) for n, kk in zip("abc", k)}
+    w = {n: jax.random.normal(kk, (64, 64)).astype(BF16)
+         for n, kk in zip("abc", k[:3], strict=True)}
     x = jax.random.normal(k[3], (32, 64))
     plain = jax.jit(lambda w: _saved(jaxamp.autocast(_mlp), w, x))(w)
     printing = jax.jit(lambda w: _saved(jaxamp.autocast(lambda w, x: _mlp(w, x, True)), w, x))(w)

@@ -91,6 +91,31 @@ def test_the_layout_of_a_while_loop_is_read_from_its_structure():
                                             eqn.params["body_nconsts"])
 
 
+def test_a_custom_jvps_rule_is_read_from_its_params():
+    """``_jaxpr._jvp_rule``: a ``custom_jvp_call``'s params hold its rule as ``jvp_jaxpr_fun``
+    (a ``WrappedFun``, reached through the equation) on jax 0.10 to 0.12; called with the
+    tangents' zero flags, it gives the JVP's jaxpr, its constants and the outputs' zero
+    flags. Without it autocast would differentiate the primal body instead."""
+    @jax.custom_jvp
+    def f(x, k):
+        return jnp.round(x) * k
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return f(*primals), tangents[0] * 3.0
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(3), 2.0)
+    eqn = next(e for e in jaxpr.eqns if e.primitive.name == "custom_jvp_call")
+    assert "jvp_jaxpr_fun" in eqn.params
+    rule = _jaxpr._jvp_rule(eqn)
+    assert rule is not None
+    jvp, consts, out_zeros = rule(False, False)
+    assert len(jvp.invars) == 4 and list(out_zeros) == [False]
+    out = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jvp, consts))(
+        jnp.full(3, 1.4), 2.0, jnp.ones(3), 0.0)
+    np.testing.assert_array_equal(out[1], jnp.full(3, 3.0))
+
+
 def test_an_equations_traceback_names_jaxs_attention_function():
     """The attention finder's private read (``jaxamp/_attention.py``): an equation's
     ``source_info.traceback.raw_frames()`` holds the code of ``jax.nn.dot_product_attention``,
