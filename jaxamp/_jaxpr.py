@@ -352,17 +352,18 @@ def _run_cond(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
     return jax.lax.switch(index, [agreeing(b) for b in branches], *operands)
 
 
-def _jvp_rule(eqn: Any) -> Callable[..., tuple[Any, list, list]] | None:
+def _jvp_rule(eqn: Any) -> Callable[..., Any] | None:
     """A ``custom_jvp`` equation's rule: ``rule(*zeros) -> (jaxpr, consts, out_zeros)``, the
     JVP traced for its non-constant inputs (``zeros`` flags the tangents that are symbolic
     zeros), or ``None`` where this JAX's params hold no rule we know. JAX has no public
     accessor: the params hold ``jvp_jaxpr_fun`` (a ``WrappedFun``, reached through the
     equation, never imported; jax 0.10 to 0.12) or ``jvp_jaxpr_thunk`` (a plain function,
     earlier JAX); tests/test_jax_apis.py pins it."""
-    fun = eqn.params.get("jvp_jaxpr_fun")
-    if fun is not None and callable(getattr(fun, "call_wrapped", None)):
-        return fun.call_wrapped
-    thunk = eqn.params.get("jvp_jaxpr_thunk")
+    fun: Any = eqn.params.get("jvp_jaxpr_fun")
+    call: Any = getattr(fun, "call_wrapped", None)
+    if callable(call):
+        return call
+    thunk: Any = eqn.params.get("jvp_jaxpr_thunk")
     return thunk if callable(thunk) else None
 
 
