@@ -5,12 +5,15 @@ fp32 (gradients), not against what autocast happens to emit."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxamp
 
@@ -317,3 +320,37 @@ def test_the_batch_reaches_an_autocast_loss_as_given():
     new, _ = jax.jit(jaxamp.make_train_step(loss_fn, autocast=True))(state, batch)
     got = state.master_params["w"] - new.master_params["w"]      # sgd(1.0): the gradient
     assert _rel(got, want) < 0.05
+
+
+OFFLOAD_POLICIES = {
+    "names": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["h"],
+        offload_src="device", offload_dst="pinned_host"),
+    "dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+}
+
+
+def _offloaded_shapes(fn, *args) -> set[str]:
+    """The shapes of the values the backward pass reads from host memory."""
+    text = str(jax.make_jaxpr(jax.grad(fn))(*args))
+    return set(re.findall(r"<host>(\[[\d,]*\])", text))
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["one block", "scan of blocks"])
+@pytest.mark.parametrize("policy", OFFLOAD_POLICIES)
+def test_a_models_offload_policy_is_honoured(policy, scanned):
+    """A model's remat policy that offloads (MaxText's offload configurations) offloads the
+    same values under autocast, in bf16: in a scan of remat'd blocks autocast recomputed each
+    step under its own policy, and the stacked values went unoffloaded."""
+    def block(w, x):
+        h = checkpoint_name(jnp.tanh(x @ w), "h")
+        return jnp.sin(h @ w)
+    remat = jax.checkpoint(block, policy=OFFLOAD_POLICIES[policy])
+
+    def loss(w, x):
+        if not scanned:
+            return jnp.sum(remat(w, x))
+        return jnp.sum(lax.scan(lambda h, wi: (remat(wi, h), None), x, jnp.stack([w, w]))[0])
+    w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
+    want = _offloaded_shapes(loss, w, x)
+    assert want and _offloaded_shapes(jaxamp.autocast(loss), w, x) == want

@@ -123,7 +123,7 @@ from jaxamp._autocast._context import _Context
 from jaxamp._autocast._context import _Facts
 from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _DEBUG_CALLBACKS
-from jaxamp._autocast._recompute import _saveable
+from jaxamp._autocast._recompute import _policy
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
 from jaxamp._fp8 import CurrentScaling
@@ -229,28 +229,42 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         arrays = [leaves[i] for i in traced]
         # Only the FP8 rule asks which argument a matmul reads.
         paths = [tree_path_str(with_paths[i][0]) for i in traced]
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
-            *[_as_written(x) for x in arrays])
+        closed, out_shape = _trace(flat_fn, arrays)
 
         recomputed = recompute and context.regions and _only_debug_effects(closed)
 
         scopes_seen: dict = {}
+        offloads: dict = {}
 
         def evaluate(*arrays):
             facts = _Facts(recompute=recomputed)
             for a, path in zip(arrays, paths, strict=True):  # the arguments: cheap
                 facts.set_path(a, path if quantizes else None)
                 facts.set_cheap(a)
-            ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen))
+            ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen, offloads))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         # Only under a half compute dtype; an effect would run again in the backward pass.
         if recomputed:
-            evaluate = jax.checkpoint(evaluate, policy=_saveable)
+            evaluate = jax.checkpoint(evaluate, policy=_policy(offloads))
         outs = evaluate(*arrays)
         _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
+
+
+def _trace(flat_fn: Callable, arrays: list) -> tuple[Any, Any]:
+    """``fn`` traced with its half-precision arguments as fp32 (:func:`_as_written`), or, where
+    ``fn`` cannot be traced so, as they are: a function that meets an argument with a value
+    of the argument's own half dtype (``lax.reduce(x, np.float16(0), ...)``, a convolution's
+    ``preferred_element_type=jnp.float16``) types only with the dtypes it was written for."""
+    written = [_as_written(x) for x in arrays]
+    if all(w is x for w, x in zip(written, arrays, strict=True)):
+        return jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
+    try:
+        return jax.make_jaxpr(flat_fn, return_shape=True)(*written)
+    except TypeError:
+        return jax.make_jaxpr(flat_fn, return_shape=True)(*arrays)
 
 
 def _only_debug_effects(closed: Any) -> bool:

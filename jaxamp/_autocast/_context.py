@@ -133,6 +133,8 @@ class _Call:
     # The name scopes seen, and whether any op fell in ``fp32_scopes`` (shared by the calls of
     # one trace, for the warning about scopes that matched nothing).
     scopes_seen: dict = dataclasses.field(default_factory=dict)
+    # The names of the values a model's remat policy offloads, to its ``Offloadable``s.
+    offloads: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +167,12 @@ class _Context:
             if matched:
                 return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
         name = eqn.primitive.name
-        if name not in self.rules and _holds_jaxpr(eqn):
-            return _ORIGINAL_RULE
+        if name not in self.rules:
+            if _holds_jaxpr(eqn):
+                return _ORIGINAL_RULE
+            if name == "integer_pow" and eqn.params.get("y", 0) < 0:
+                return _FLOAT32_RULE  # x ** -3 of a small half value overflows
+
         return _RULES[self.rules.get(name, "promote")]
 
 

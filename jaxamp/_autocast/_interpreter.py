@@ -29,6 +29,8 @@ from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import nested_stack
+from jaxamp._jaxpr import sub_jaxprs
+from jaxamp._jaxpr import walk
 from jaxamp._tree import is_floating_array
 
 
@@ -109,6 +111,15 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
     return outs
 
 
+def _holds_remat(eqn: Any) -> bool:
+    """Whether a higher-order equation's bodies hold a model's own remat."""
+    return any(HIGHER_ORDER.get(e.primitive.name, _NOT_REMAT).kind == "remat"
+               for body, _ in sub_jaxprs(eqn) for e, _ in walk(body))
+
+
+_NOT_REMAT = HIGHER_ORDER["scan"]
+
+
 def _body(ctx: _Context, closed: Any, stack: str,
           const_args: Sequence[bool] | None = None, attention: bool = True) -> Callable:
     """A closed (or open) jaxpr as a function evaluated under the rules."""
@@ -130,8 +141,9 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
                                                                          remat_body=is_remat)
         if is_remat and ctx.call.facts.recompute:
             invals, inner = _entering_model_remat(inner, eqn, invals)
+        # A scan of a model's remat'd blocks: the model's remat decides what each step keeps.
         each_step_recomputed = (name == "scan" and ctx.call.facts.recompute
-                                and ctx.model_remat is None)
+                                and ctx.model_remat is None and not _holds_remat(eqn))
 
         def enter(body, const_args=None):
             run = _body(inner, body, stack, const_args)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import Offloadable
+from jax.ad_checkpoint import Saveable
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp import ops
@@ -47,8 +49,23 @@ _OPERAND = "jaxamp_matmul_operand"
 _KEPT = "jaxamp_kept"
 
 
+_OFFLOADED = "jaxamp_offloaded"
+
+
 _VIEWS = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
           "expand_dims", "copy")
+
+
+def _policy(offloads: dict) -> Callable[..., Any]:
+    """:func:`_saveable`, and for the values a model's remat policy offloads (named by
+    :func:`_kept_name`), that policy's own ``Offloadable``: JAX applies the outermost policy
+    inside a nested ``jax.checkpoint``, so autocast's hands on the model's offloads.
+    ``offloads`` is the call's (:class:`_Call`), filled as it evaluates."""
+    def policy(prim: Any, *avals: Any, **params: Any) -> Any:
+        if prim.name == "name" and params.get("name") in offloads:
+            return offloads[params["name"]]
+        return _saveable(prim, *avals, **params)
+    return policy
 
 
 def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
@@ -72,17 +89,27 @@ def _nothing_saveable(*_: Any, **__: Any) -> bool:
     return False
 
 
-def _keeps(ctx: _Context, prim: Any, invals: list, params: Any) -> bool:
-    """Whether the outputs of ``prim`` are kept for the backward pass (named ``_KEPT``): a
-    matmul's outside a model's remat, and inside one whatever the model's policy saves."""
+def _kept_name(ctx: _Context, prim: Any, invals: list, params: Any) -> str | None:
+    """The name under which the outputs of ``prim`` are kept for the backward pass, or
+    ``None``: ``_KEPT`` for a matmul's outside a model's remat, and inside one for whatever the
+    model's policy saves; what it offloads (``save_and_offload_only_these_names``,
+    ``offload_dot_with_no_batch_dims``) is named for its memory kinds and offloaded so
+    (:func:`_policy`)."""
     if not ctx.call.facts.recompute:
-        return False
+        return None
     if ctx.model_remat is None:
-        return prim.name in MATMULS
+        return _KEPT if prim.name in MATMULS else None
     try:
-        return ctx.model_remat(prim, *[jax.typeof(x) for x in invals], **params) is True
+        decision = ctx.model_remat(prim, *[jax.typeof(x) for x in invals], **params)
     except Exception:  # noqa: BLE001 - a policy that cannot judge saves nothing extra
-        return False
+        return None
+    if decision is True or decision is Saveable:
+        return _KEPT
+    if isinstance(decision, Offloadable):
+        name = f"{_OFFLOADED}:{decision.src}:{decision.dst}"
+        ctx.call.offloads[name] = decision
+        return name
+    return None
 
 
 def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
@@ -102,7 +129,8 @@ def _recomputed_in_its_step(ctx: _Context, run: Callable) -> Callable:
             return run(*traced)
         # Inside a scan, no CSE can merge the recomputation with the forward pass (JAX's
         # advice for remat in scan), and barriers would only hinder XLA.
-        return jax.checkpoint(body, policy=_saveable, prevent_cse=False)(*args)
+        return jax.checkpoint(body, policy=_policy(ctx.call.offloads),
+                              prevent_cse=False)(*args)
     return step
 
 

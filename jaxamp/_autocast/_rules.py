@@ -22,9 +22,8 @@ from jaxamp._autocast._casts import _cast_constant
 from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._casts import _is_half_broadcast
 from jaxamp._autocast._near import _set_near
-from jaxamp._autocast._recompute import _KEPT
 from jaxamp._autocast._recompute import _OPERAND
-from jaxamp._autocast._recompute import _keeps
+from jaxamp._autocast._recompute import _kept_name
 from jaxamp._fp8 import fp8_dot_general
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import where
@@ -42,7 +41,9 @@ _FLOAT32 = ("exp", "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "
             # runs it in fp32 too. ``complex`` takes fp32 or fp64 parts only.
             "cholesky", "lu", "qr", "svd", "eigh", "eig", "schur", "hessenberg",
             "householder_product", "tridiagonal", "tridiagonal_solve", "triangular_solve",
-            "lu_pivots_to_permutation", "complex")
+            "lu_pivots_to_permutation", "complex",
+            # A rejection sampler: in half precision another sample, not a rounded one.
+            "random_gamma")
 
 
 # Primitives whose rules were written for the dtypes they were traced with.
@@ -91,8 +92,8 @@ class _Rule:
     def preferred(self, ctx: _Context, invals: list, current: Any) -> Any:
         """A matmul's ``preferred_element_type`` (its accumulation and output dtype)."""
         del ctx
-        if current is None:
-            return None
+        if current is None or any(_is_complex(x) for x in invals):
+            return current
         return functools.reduce(wider_float, [jnp.dtype(x.dtype) for x in invals
                                          if is_floating_array(x)])
 
@@ -114,37 +115,48 @@ class _Rule:
                       and not facts.cheap(x) and facts.near(x) is None else x
                       for x in invals]
         summed = _sums_in_its_transpose(eqn, invals) if self.rewrites else None
-        if summed is not None:  # gathered from fp32, rounded back: summed in fp32 backward
-            invals = [_cast(invals[0], jnp.float32), *invals[1:]]
+        if summed is not None:  # taken from fp32, rounded back: summed in fp32 backward
+            invals = [_cast(x, jnp.float32) for x in invals]
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
         outs = out if eqn.primitive.multiple_results else [out]
         if summed is not None:
             outs = [_cast(outs[0], summed)]
-        if _keeps(ctx, eqn.primitive, invals, params):
-            outs = [checkpoint_name(x, _KEPT) if is_floating_array(x) else x for x in outs]
+        kept = _kept_name(ctx, eqn.primitive, invals, params)
+        if kept is not None:
+            outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
         if eqn.primitive.name in MATMULS:
             _set_near(ctx, outs, 0)  # saved (``_SAVED``)
         return outs
 
 
 def _sums_in_its_transpose(eqn: Any, invals: list) -> Any:
-    """The half dtype of a ``gather``'s operand (an embedding lookup), else ``None``. Its
-    transpose is a scatter-add of the cotangents into the table, which sums a token's every
-    occurrence in the batch: in bf16 a token that makes up most of a batch gets its row's
-    gradient off by a third. Gathered from the operand in fp32 and rounded back (exact, the
+    """The half dtype of a ``gather``'s operand (an embedding lookup) or a ``pad``'s, else
+    ``None``. A gather's transpose is a scatter-add of the cotangents into the table, which
+    sums a token's every occurrence in the batch: in bf16 a token that makes up most of a batch
+    gets its row's gradient off by a third. A pad's transpose sums the cotangents of the padded
+    places into the padding value's gradient. Gathered from the operand in fp32 and rounded back (exact, the
     casts fused into the gather), the backward pass casts the cotangents to fp32, sums them
     there and rounds each row once, as a half-precision broadcast's gradient
     (:func:`_broadcast`)."""
-    if eqn.primitive.name != "gather" or not invals or not is_floating_array(invals[0]):
+    if eqn.primitive.name not in ("gather", "pad") or not is_floating_array(invals[0]):
         return None
     dtype = jnp.dtype(invals[0].dtype)
     return dtype if dtype in _HALF else None
 
 
+def _is_complex(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
 class _Compute(_Rule):
-    """``"compute"``: every floating input in the compute dtype (matmuls)."""
+    """``"compute"``: every floating input in the compute dtype (matmuls); a matmul of a
+    complex operand takes ``"promote"`` (no half-precision complex dtype)."""
 
     joins_region = False
+
+    def for_inputs(self, ctx, eqn, invals):
+        del ctx, eqn
+        return _RULES["promote"] if any(_is_complex(x) for x in invals) else self
 
     def cast(self, ctx, eqn, invals, const_in):
         del eqn, const_in
@@ -211,7 +223,7 @@ class _Fp8(_Compute):
         keeps (the head), and for a batched matmul of two computed values (attention) unless
         the recipe quantizes those."""
         if not all(is_floating_array(x) for x in invals):
-            return _RULES["compute"]
+            return _RULES["compute"].for_inputs(ctx, eqn, invals)
         recipe = ctx.fp8_recipe
         paths = [ctx.call.facts.path(x) for x in invals]
         if recipe.keep and any(p is not None and re.search(recipe.keep, p) for p in paths):
