@@ -134,9 +134,9 @@ def _sums_in_its_transpose(eqn: Any, invals: list) -> Any:
     ``None``. A gather's transpose is a scatter-add of the cotangents into the table, which
     sums a token's every occurrence in the batch: in bf16 a token that makes up most of a batch
     gets its row's gradient off by a third. A pad's transpose sums the cotangents of the padded
-    places into the padding value's gradient. Gathered from the operand in fp32 and rounded back (exact, the
-    casts fused into the gather), the backward pass casts the cotangents to fp32, sums them
-    there and rounds each row once, as a half-precision broadcast's gradient
+    places into the padding value's gradient. Taken from the operands in fp32 and rounded back
+    (exact, the casts fused into the op), the backward pass casts the cotangents to fp32, sums
+    them there and rounds once, as a half-precision broadcast's gradient
     (:func:`_broadcast`)."""
     if eqn.primitive.name not in ("gather", "pad") or not is_floating_array(invals[0]):
         return None
