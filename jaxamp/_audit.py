@@ -32,6 +32,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
+from jaxamp._jaxpr import RuleNotKeptWarning
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
@@ -317,6 +318,10 @@ class AuditReport:
     ``'count'`` and ``'bytes'`` (read plus written)."""
     matmuls: list[MatmulSite]
     """Every matmul and convolution, whatever its dtypes."""
+    rules_not_kept: list[str] = dataclasses.field(default_factory=list)
+    """Custom derivative rules that :func:`jaxamp.autocast` could not keep (a ``custom_jvp``
+    whose rule this JAX does not expose where jaxamp reads it): each differentiated through
+    its primal body instead. Empty on the JAX versions jaxamp is tested with."""
 
     @property
     def total_matmul_flops(self) -> float:
@@ -374,6 +379,7 @@ class AuditReport:
             "fp8_matmul_flops": self.fp8_matmul_flops,
             "fp8_matmul_share": self.fp8_matmul_share,
             "fp32_matmuls": [dataclasses.asdict(s) for s in self.fp32_matmuls],
+            "rules_not_kept": list(self.rules_not_kept),
             "fp32_sources": self.fp32_sources,
             "half_sensitive_ops": [dataclasses.asdict(s) for s in self.half_sensitive_ops],
             "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
@@ -519,8 +525,25 @@ def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
     >>> r.total_matmul_flops, r.matmul_flops_by_operands
     (128.0, {'bfloat16 x float32': 128.0})
     """
-    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    return _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
+    with _rules_not_kept() as dropped:
+        jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    report = _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
+    report.rules_not_kept = dropped
+    return report
+
+
+@contextlib.contextmanager
+def _rules_not_kept():
+    """The messages of the :class:`RuleNotKeptWarning` raised inside, warned again as they
+    came."""
+    dropped: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield dropped
+    for w in caught:
+        if issubclass(w.category, RuleNotKeptWarning):
+            dropped.append(str(w.message))
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _scalar_of(out: Any) -> jax.Array:
@@ -544,6 +567,9 @@ def audit_grad(fn: Callable, *args: Any, argnums: int | tuple[int, ...] = 0,
     """
     def scalar(*a):
         return _scalar_of(fn(*a, **kwargs))
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(scalar, argnums=argnums))(*args)
-    return _report(_title(fn, " (value and grad)"), jaxpr,
-                   _saved_residuals(scalar, args, {}, argnums))
+    with _rules_not_kept() as dropped:
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(scalar, argnums=argnums))(*args)
+    report = _report(_title(fn, " (value and grad)"), jaxpr,
+                     _saved_residuals(scalar, args, {}, argnums))
+    report.rules_not_kept = dropped
+    return report

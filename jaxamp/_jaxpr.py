@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import sysconfig
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
 
 __all__ = ["CALLS", "Enter", "HIGHER_ORDER", "HigherOrder", "Interpreter", "Literal", "MATMULS",
+           "RuleNotKeptWarning",
            "body", "environment", "evaluate", "is_backward", "jaxprs_in", "made_order",
            "nested_stack", "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk",
            "walk_levels", "where", "while_layout"]
@@ -367,6 +369,11 @@ def _jvp_rule(eqn: Any) -> Callable[..., Any] | None:
     return thunk if callable(thunk) else None
 
 
+class RuleNotKeptWarning(UserWarning):
+    """A custom derivative rule an interpreter could not keep (autocast): the function's
+    primal body is differentiated instead. :func:`jaxamp.audit` lists them."""
+
+
 def _run_custom_jvp(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) -> list:
     """A ``custom_jvp`` function bound again as one: its primal body and its own JVP rule,
     each evaluated by the interpreter, so that the rule, not the primal body, differentiates
@@ -377,6 +384,11 @@ def _run_custom_jvp(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) ->
     primal = enter(p["call_jaxpr"], const_in)
     rule = _jvp_rule(eqn)
     if rule is None:
+        warnings.warn(RuleNotKeptWarning(
+            f"the custom_jvp rule of the function at {where(eqn)} could not be read in jax "
+            f"{jax.__version__} (its params are {sorted(eqn.params)}): its primal body is "
+            "differentiated instead; use a JAX jaxamp is tested with (0.10 to 0.12)"),
+            stacklevel=2)
         return primal(*invals)
     n_consts = int(p["num_consts"])
 

@@ -354,3 +354,21 @@ def test_a_models_offload_policy_is_honoured(policy, scanned):
     w, x = jnp.ones((8, 8)) * 0.1, jnp.ones((4, 8))
     want = _offloaded_shapes(loss, w, x)
     assert want and _offloaded_shapes(jaxamp.autocast(loss), w, x) == want
+
+
+def test_a_rule_autocast_cannot_keep_is_warned_about_and_listed_by_the_audit(monkeypatch):
+    """On a JAX whose ``custom_jvp`` params hold no rule jaxamp can read, the primal body is
+    differentiated: autocast warns, naming the function's line, and the audit lists it."""
+    from jaxamp import _jaxpr
+    monkeypatch.setattr(_jaxpr, "_jvp_rule", lambda eqn: None)
+    w = jax.random.normal(jax.random.key(3), (8, 8))
+
+    def loss(w):
+        return jnp.sum(_straight_through_round(X @ w) ** 2)
+    with pytest.warns(_jaxpr.RuleNotKeptWarning, match=r"custom_jvp rule of the function at "
+                      r".*test_autocast_programs.py:\d+.*primal body is differentiated"):
+        report = jaxamp.audit_grad(jaxamp.autocast(loss), w)
+    assert len(report.rules_not_kept) == 1
+    assert report.to_dict()["rules_not_kept"] == report.rules_not_kept
+    monkeypatch.undo()
+    assert jaxamp.audit_grad(jaxamp.autocast(loss), w).rules_not_kept == []
