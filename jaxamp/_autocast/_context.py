@@ -4,24 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 from typing import Any
 
-from jaxamp._autocast._rules import _EVERYTHING_FLOAT32_RULE
-from jaxamp._autocast._rules import _FLOAT32_RULE
-from jaxamp._autocast._rules import _ORIGINAL_RULE
-from jaxamp._autocast._rules import _RULES
-from jaxamp._jaxpr import HIGHER_ORDER
-from jaxamp._jaxpr import jaxprs_in as _jaxprs_in
-
-if TYPE_CHECKING:
-    from jaxamp._autocast._rules import _Rule
-
-
 _FULL_PRECISION = "jaxamp_full_precision"
+
+
+# A matmul operand at most this many elementwise ops from kept values is recomputed.
+_NEAR_DEPTH = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,7 +90,9 @@ class _Facts:
             self._fact(x).cheap = True
 
     def set_near(self, x: Any, depth: int) -> None:
-        if self.recompute:
+        """``x`` is ``depth`` elementwise ops from kept values (0: one of them); recorded
+        within ``_NEAR_DEPTH``."""
+        if self.recompute and depth <= _NEAR_DEPTH:
             self._fact(x).near = depth
 
     def view(self, new: Any, old: Any) -> None:
@@ -154,39 +147,3 @@ class _Context:
     # A remat's body (a model's block), whose full-size outputs go on to the caller's ops.
     remat_body: bool = False
     call: _Call = dataclasses.field(default_factory=_Call, compare=False)
-
-    def rule(self, eqn: Any, stack: str) -> _Rule:
-        if _FULL_PRECISION in stack:
-            return _ORIGINAL_RULE
-        if self.all_float32:
-            return _FLOAT32_RULE
-        if self.fp32_scopes:
-            matched = _in_scopes(stack, self.fp32_scopes)
-            seen = self.call.scopes_seen
-            seen[stack] = seen.get(stack, False) or matched
-            if matched:
-                return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
-        name = eqn.primitive.name
-        if name not in self.rules:
-            if _holds_jaxpr(eqn):
-                return _ORIGINAL_RULE
-            if name == "integer_pow" and eqn.params.get("y", 0) < 0:
-                return _FLOAT32_RULE  # x ** -3 of a small half value overflows
-
-        return _RULES[self.rules.get(name, "promote")]
-
-
-def _holds_jaxpr(eqn: Any) -> bool:
-    """A primitive that is no higher-order primitive autocast enters but whose params hold a
-    jaxpr: a scatter's or a reduction's combiner (``segment_sum``, ``x.at[i].max``,
-    ``lax.reduce`` with a body), a linear solve's functions, a kernel. The jaxpr was traced
-    for the dtypes of the operands, which it must keep: such an op takes the ``original``
-    rule (an fp32 accumulator for a model written in fp32)."""
-    return eqn.primitive.name not in HIGHER_ORDER and any(
-        next(_jaxprs_in(v), None) is not None for v in eqn.params.values())
-
-
-def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
-    parts = [p for p in re.split(r"[()/]", stack) if p]
-    joined = "/".join(parts)
-    return any(s in parts or f"/{s}/" in f"/{joined}/" for s in scopes)

@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxamp._autocast._casts import _cast
 from jaxamp._autocast._rules import _RULES
+from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import nested_stack
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ def _fused_attention(ctx: _Context, call: Any, read: Callable, outer: str,
     cuDNN does not take): its equations then run one by one. ``body`` is the interpreter's
     way to evaluate a jaxpr under the rules."""
     stack = nested_stack(call.scores, outer)
-    if ctx.rule(call.scores, stack) is not _RULES["compute"]:
+    if rule_for(ctx, call.scores, stack) is not _RULES["compute"]:
         return None
     options = dict(call.options)
     has_bias, has_mask = options.pop("bias"), options.pop("mask")

@@ -23,6 +23,7 @@ from jaxamp._autocast._regions import _feeds_only_matmuls
 from jaxamp._autocast._regions import _is_seed
 from jaxamp._autocast._regions import _Level
 from jaxamp._autocast._regions import _run_region
+from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Interpreter
@@ -133,7 +134,7 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
               const_in: Sequence[bool]) -> list:
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
-    rule = ctx.rule(eqn, stack)
+    rule = rule_for(ctx, eqn, stack)
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
         is_remat = higher_order.kind == "remat"

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._autocast._recompute import _VIEWS
+from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import nested_stack
@@ -18,9 +19,6 @@ from jaxamp._tree import is_floating_array
 
 if TYPE_CHECKING:
     from jaxamp._autocast._context import _Context
-
-
-_NEAR_DEPTH = 16
 
 
 def _near_depth(ctx: _Context, values: Sequence[Any], const_in: Sequence[bool]) -> int | None:
@@ -47,16 +45,10 @@ def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
     depth = _near_depth(ctx, invals, const_in)
     if depth is None:
         return
-    _set_near(ctx, outs, depth + (0 if eqn.primitive.name in _VIEWS else 1))
-
-
-def _set_near(ctx: _Context, outs: Sequence[Any], depth: int) -> None:
-    """Records the floating ``outs`` as ``depth`` elementwise ops from kept values, within
-    ``_NEAR_DEPTH``."""
-    if ctx.call.facts.recompute and depth <= _NEAR_DEPTH:
-        for x in outs:
-            if is_floating_array(x):
-                ctx.call.facts.set_near(x, depth)
+    depth += 0 if eqn.primitive.name in _VIEWS else 1
+    for x in outs:
+        if is_floating_array(x):
+            ctx.call.facts.set_near(x, depth)
 
 
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
@@ -74,4 +66,4 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
     dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
     if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
         return False
-    return ctx.rule(eqn, nested_stack(eqn, outer)).joins_region
+    return rule_for(ctx, eqn, nested_stack(eqn, outer)).joins_region

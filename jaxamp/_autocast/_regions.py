@@ -16,8 +16,8 @@ from jax.extend import source_info_util
 from jaxamp._autocast._casts import _cast
 from jaxamp._autocast._near import _near_depth
 from jaxamp._autocast._near import _pure_elementwise_like
-from jaxamp._autocast._near import _set_near
 from jaxamp._autocast._rules import _FLOAT32_RULE
+from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import CALLS
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
@@ -98,7 +98,7 @@ def _is_seed(ctx: _Context, eqn: Any, invals: list, outer: str) -> bool:
         return False
     if eqn.primitive.name == "convert_element_type":
         return jnp.dtype(eqn.outvars[0].aval.dtype) == jnp.float32
-    return ctx.rule(eqn, nested_stack(eqn, outer)).opens_region
+    return rule_for(ctx, eqn, nested_stack(eqn, outer)).opens_region
 
 
 def _size(v: Any) -> int:
@@ -123,7 +123,7 @@ def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
     largest = max((_size(u) for u in inputs if is_floating_array(u.aval)), default=0)
     if _size(v) < largest or any(_loops(e) for e in outside):
         return False
-    return not any(ctx.rule(e, nested_stack(e, outer)).opens_region for e in outside)
+    return not any(rule_for(ctx, e, nested_stack(e, outer)).opens_region for e in outside)
 
 
 def _loops(eqn: Any) -> bool:
@@ -226,5 +226,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
     if ctx.call.facts.recompute:  # recomputed from its inputs: near when they are
         depth = _near_depth(ctx, invals, [v in constant for v in inputs])
         if depth is not None:
-            _set_near(ctx, outs, depth + 1)
+            for x in outs:
+                if is_floating_array(x):
+                    ctx.call.facts.set_near(x, depth + 1)
     done.update(members)

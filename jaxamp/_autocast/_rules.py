@@ -21,11 +21,13 @@ from jaxamp._autocast._casts import _cast
 from jaxamp._autocast._casts import _cast_constant
 from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._casts import _is_half_broadcast
-from jaxamp._autocast._near import _set_near
+from jaxamp._autocast._context import _FULL_PRECISION
 from jaxamp._autocast._recompute import _OPERAND
 from jaxamp._autocast._recompute import _kept_name
 from jaxamp._fp8 import fp8_dot_general
+from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import jaxprs_in
 from jaxamp._jaxpr import where
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
@@ -125,7 +127,9 @@ class _Rule:
         if kept is not None:
             outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
         if eqn.primitive.name in MATMULS:
-            _set_near(ctx, outs, 0)  # saved (``_SAVED``)
+            for x in outs:  # saved (``_SAVED``)
+                if is_floating_array(x):
+                    facts.set_near(x, 0)
         return outs
 
 
@@ -259,3 +263,45 @@ _FLOAT32_RULE = _RULES["float32"]
 
 
 _EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
+
+
+def rule_for(ctx: _Context, eqn: Any, stack: str) -> _Rule:
+    """The one place an equation's rule is decided, in this order: :func:`full_precision`
+    (``original``), inside an fp32 region (``float32``), ``fp32_scopes`` (everything fp32),
+    the rules by primitive (``DEFAULT_RULES`` and the user's), and for a primitive they do
+    not name, its structure: params that hold a traced function (``original``,
+    :func:`_holds_jaxpr`), ``integer_pow`` with a negative exponent (``float32``), else
+    ``promote``."""
+    if _FULL_PRECISION in stack:
+        return _ORIGINAL_RULE
+    if ctx.all_float32:
+        return _FLOAT32_RULE
+    if ctx.fp32_scopes:
+        matched = _in_scopes(stack, ctx.fp32_scopes)
+        seen = ctx.call.scopes_seen
+        seen[stack] = seen.get(stack, False) or matched
+        if matched:
+            return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
+    name = eqn.primitive.name
+    if name not in ctx.rules:
+        if _holds_jaxpr(eqn):
+            return _ORIGINAL_RULE
+        if name == "integer_pow" and eqn.params.get("y", 0) < 0:
+            return _FLOAT32_RULE  # x ** -3 of a small half value overflows
+    return _RULES[ctx.rules.get(name, "promote")]
+
+
+def _holds_jaxpr(eqn: Any) -> bool:
+    """A primitive that is no higher-order primitive autocast enters but whose params hold a
+    jaxpr: a scatter's or a reduction's combiner (``segment_sum``, ``x.at[i].max``,
+    ``lax.reduce`` with a body), a linear solve's functions, a kernel. The jaxpr was traced
+    for the dtypes of the operands, which it must keep: such an op takes the ``original``
+    rule (an fp32 accumulator for a model written in fp32)."""
+    return eqn.primitive.name not in HIGHER_ORDER and any(
+        next(jaxprs_in(v), None) is not None for v in eqn.params.values())
+
+
+def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
+    parts = [p for p in re.split(r"[()/]", stack) if p]
+    joined = "/".join(parts)
+    return any(s in parts or f"/{s}/" in f"/{joined}/" for s in scopes)
