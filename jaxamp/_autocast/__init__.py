@@ -241,6 +241,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             for a, path in zip(arrays, paths, strict=True):  # the arguments: cheap
                 facts.set_path(a, path if quantizes else None)
                 facts.set_cheap(a)
+                facts.set_argument(a)
             ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen, offloads))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]

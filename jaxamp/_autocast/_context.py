@@ -33,6 +33,8 @@ class _Fact:
     # The argument this value is, or is a view of (a cast, reshape, transpose): which matmul
     # reads which argument (an FP8 policy keeps the head's in the compute dtype).
     path: str | None = None
+    # An argument of ``fn``, or a view of one (a param: an embedding table).
+    argument: bool = False
 
 
 class _Facts:
@@ -78,6 +80,14 @@ class _Facts:
         fact = self.of(x)
         return None if fact is None else fact.path
 
+    def argument(self, x: Any) -> bool:
+        """Whether ``x`` is an argument of ``fn`` (a param), or a view of one."""
+        fact = self.of(x)
+        return fact is not None and fact.argument
+
+    def set_argument(self, x: Any) -> None:
+        self._fact(x).argument = True
+
     def set_upcast(self, x: Any, source: Any) -> None:
         self._fact(x).upcast_from = source
 
@@ -103,6 +113,8 @@ class _Facts:
             self.set_path(new, fact.path)
             if fact.cheap:
                 self.set_cheap(new)
+            if fact.argument:
+                self.set_argument(new)
 
     def inherit(self, new: Any, old: Any, source: Any = None) -> None:
         """Records ``new`` (a cast or a new trace's value of ``old``) as what ``old`` is: the
@@ -111,6 +123,8 @@ class _Facts:
         fact = self.of(old)
         if fact is not None:
             self.set_path(new, fact.path)
+            if fact.argument:
+                self.set_argument(new)
         if (fact is not None and fact.cheap) or (source is not None and self.cheap(source)):
             self.set_cheap(new)
         elif fact is not None and fact.near is not None:

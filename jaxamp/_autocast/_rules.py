@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -116,13 +117,16 @@ class _Rule:
             invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
                       and not facts.cheap(x) and facts.near(x) is None else x
                       for x in invals]
-        summed = _sums_in_its_transpose(eqn, invals) if self.rewrites else None
-        if summed is not None:  # taken from fp32, rounded back: summed in fp32 backward
+        summed = _sums_in_its_transpose(ctx, eqn, invals) if self.rewrites else None
+        bind_params = eqn.primitive.get_bind_params(params)
+        if summed is not None and eqn.primitive.name == "gather":
+            outs = [_gather_summed_in_fp32(eqn.primitive, bind_params, *invals)]
+        elif summed is not None:  # taken from fp32, rounded back: summed in fp32 backward
             invals = [_cast(x, jnp.float32) for x in invals]
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        outs = out if eqn.primitive.multiple_results else [out]
-        if summed is not None:
-            outs = [_cast(outs[0], summed)]
+            outs = [_cast(eqn.primitive.bind(*invals, **bind_params), summed)]
+        else:
+            out = eqn.primitive.bind(*invals, **bind_params)
+            outs = out if eqn.primitive.multiple_results else [out]
         kept = _kept_name(ctx, eqn.primitive, invals, params)
         if kept is not None:
             outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
@@ -133,23 +137,47 @@ class _Rule:
         return outs
 
 
-def _sums_in_its_transpose(eqn: Any, invals: list) -> Any:
-    """The half dtype of a ``gather``'s operand (an embedding lookup) or a ``pad``'s, else
-    ``None``. A gather's transpose is a scatter-add of the cotangents into the table, which
-    sums a token's every occurrence in the batch: in bf16 a token that makes up most of a batch
-    gets its row's gradient off by a third. A pad's transpose sums the cotangents of the padded
-    places into the padding value's gradient. Taken from the operands in fp32 and rounded back
-    (exact, the casts fused into the op), the backward pass casts the cotangents to fp32, sums
-    them there and rounds once, as a half-precision broadcast's gradient
-    (:func:`_broadcast`)."""
+def _sums_in_its_transpose(ctx: _Context, eqn: Any, invals: list) -> Any:
+    """The half dtype of a ``gather``'s operand when it is an argument of ``fn`` (a param:
+    an embedding lookup), or of a ``pad``'s, else ``None``: their transposes sum in fp32.
+    A gather's transpose is a scatter-add of the cotangents into the table, which sums a
+    token's every occurrence in the batch: in bf16 a token that makes up most of a batch gets
+    its row's gradient off by a third (:func:`_gather_summed_in_fp32`). A pad's transpose sums
+    the cotangents of the padded places into the padding value's gradient: the pad is taken
+    from its operands in fp32 and rounded back (exact), so that the backward pass sums in
+    fp32 and rounds once, as a half-precision broadcast's gradient (:func:`_broadcast`)."""
     if eqn.primitive.name not in ("gather", "pad") or not is_floating_array(invals[0]):
         return None
+    if eqn.primitive.name == "gather" and not ctx.call.facts.argument(invals[0]):
+        return None  # an activation's (take_along_axis of logits): one cotangent a place
     dtype = jnp.dtype(invals[0].dtype)
     return dtype if dtype in _HALF else None
 
 
 def _is_complex(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+def _gather_summed_in_fp32(prim: Any, params: dict, operand: Any, indices: Any) -> Any:
+    """A gather from a half-precision table whose transpose, a scatter-add of the cotangents
+    into the table, sums in an fp32 table and rounds once. The forward gather reads the half
+    table as it is: no fp32 copy of it (a gather from its fp32 cast cost the NNX GPT of the
+    benchmarks 0.31 GB on an H200, its vocabulary's table twice in fp32)."""
+    @jax.custom_vjp
+    def gather(operand, indices):
+        return prim.bind(operand, indices, **params)
+
+    def forward(operand, indices):
+        return gather(operand, indices), (operand, indices)
+
+    def backward(residuals, cotangent):
+        operand, indices = residuals
+        _, transpose = jax.vjp(lambda table: prim.bind(table, indices, **params),
+                               jnp.zeros_like(operand, dtype=jnp.float32))
+        (summed,) = transpose(cotangent.astype(jnp.float32))
+        return summed.astype(operand.dtype), None
+    gather.defvjp(forward, backward)
+    return gather(operand, indices)
 
 
 class _Compute(_Rule):
