@@ -388,3 +388,22 @@ def test_a_rule_autocast_cannot_keep_is_warned_about_and_listed_by_the_audit(mon
     assert report.to_dict()["rules_not_kept"] == report.rules_not_kept
     monkeypatch.undo()
     assert jaxamp.audit_grad(jaxamp.autocast(loss), w).rules_not_kept == []
+
+
+def test_a_function_that_types_only_with_its_half_arguments_is_traced_as_given():
+    """Autocast traces a half argument as fp32; a function that meets it with a value of the
+    argument's own half dtype (a reduction's init value, a convolution's preferred type)
+    raised a TypeError at that trace. It is traced as given."""
+    x = jax.random.normal(jax.random.key(7), (4, 6)).astype(F16)
+
+    def reduce_max(x):
+        return lax.reduce(x, np.float16(-np.inf), lax.max, (1,))
+    np.testing.assert_array_equal(jaxamp.autocast(reduce_max, "mixed_bfloat16")(x).astype(F32),
+                                  reduce_max(x).astype(F32))
+    w = jax.random.normal(jax.random.key(8), (3, 2, 3, 3)).astype(F16)
+
+    def conv(x, w):
+        return lax.conv_general_dilated(x, w, (1, 1), "SAME", preferred_element_type=F16)
+    img = jax.random.normal(jax.random.key(9), (1, 2, 5, 5)).astype(F16)
+    got = jaxamp.autocast(conv, "mixed_float16")(img, w)
+    assert got.shape == (1, 3, 5, 5) and bool(jnp.all(jnp.isfinite(got)))
