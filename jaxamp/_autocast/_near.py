@@ -56,7 +56,10 @@ def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
     a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
     if eqn.effects:
         return False
-    body = _jaxpr_body(eqn, ("call",))
+    # A jitted function, and a custom_jvp (``jax.nn.softmax``, ``relu``) whose primal is such
+    # equations: in a region it is bound as it is, in fp32, its rule kept.
+    body = _jaxpr_body(eqn, ("call", "custom") if eqn.primitive.name == "custom_jvp_call"
+                       else ("call",))
     if body is not None:
         stack = nested_stack(eqn, outer)
         return all(_pure_elementwise_like(ctx, e, stack)
