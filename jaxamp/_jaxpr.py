@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jaxlib
 import numpy as np
+from jax.extend.core import ClosedJaxpr
 from jax.extend.core import Literal
 from jax.extend.core import jaxpr_as_fun
 
@@ -31,7 +32,7 @@ from jaxamp._tree import wider_float
 
 __all__ = ["CALLS", "Enter", "HIGHER_ORDER", "HigherOrder", "Interpreter", "Literal", "MATMULS",
            "RuleNotKeptWarning",
-           "body", "environment", "evaluate", "is_backward", "jaxprs_in", "made_order",
+           "body", "environment", "evaluate", "is_backward", "jaxprs_in", "kind", "made_order",
            "nested_stack", "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk",
            "walk_levels", "where", "while_layout"]
 
@@ -394,7 +395,6 @@ def _run_custom_jvp(eqn: Any, invals: list, enter: Enter, const_in: Any, **_) ->
 
     def tangent_rule(primals, tangents):
         jvp, consts, out_zeros = rule(*[False] * (len(primals) - n_consts))
-        from jax.extend.core import ClosedJaxpr  # noqa: PLC0415 - the one use
         out = enter(ClosedJaxpr(jvp, consts))(*primals[n_consts:], *tangents[n_consts:])
         primal_out = primal(*primals)
         nonzero = iter(out[len(out_zeros):])
@@ -459,6 +459,12 @@ JAX needs one line). A while loop's trip count is unknown at trace time: its bod
 
 CALLS = frozenset(name for name, h in HIGHER_ORDER.items() if h.kind == "call")
 """The names of the call primitives (a nested ``jit``)."""
+
+
+def kind(eqn: Any) -> str | None:
+    """The kind of a higher-order equation (:class:`HigherOrder`), else ``None``."""
+    known = HIGHER_ORDER.get(eqn.primitive.name)
+    return None if known is None else known.kind
 
 
 def body(eqn: Any, kinds: tuple[str, ...] = ("call", "remat", "custom")) -> Any:

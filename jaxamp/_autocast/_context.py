@@ -8,6 +8,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+from jaxamp._tree import is_floating_array
+
 _FULL_PRECISION = "jaxamp_full_precision"
 
 
@@ -104,6 +106,12 @@ class _Facts:
         within ``_NEAR_DEPTH``."""
         if self.recompute and depth <= _NEAR_DEPTH:
             self._fact(x).near = depth
+
+    def set_near_all(self, values: Any, depth: int) -> None:
+        """Each floating value of ``values`` is ``depth`` elementwise ops from kept values."""
+        for x in values:
+            if is_floating_array(x):
+                self.set_near(x, depth)
 
     def view(self, new: Any, old: Any) -> None:
         """``new`` is a view of ``old`` (a reshape, a transpose): the same argument, and cheap

@@ -29,6 +29,7 @@ from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import evaluate
+from jaxamp._jaxpr import kind
 from jaxamp._jaxpr import nested_stack
 from jaxamp._jaxpr import sub_jaxprs
 from jaxamp._jaxpr import walk
@@ -114,11 +115,7 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
 
 def _holds_remat(eqn: Any) -> bool:
     """Whether a higher-order equation's bodies hold a model's own remat."""
-    return any(HIGHER_ORDER.get(e.primitive.name, _NOT_REMAT).kind == "remat"
-               for body, _ in sub_jaxprs(eqn) for e, _ in walk(body))
-
-
-_NOT_REMAT = HIGHER_ORDER["scan"]
+    return any(kind(e) == "remat" for body, _ in sub_jaxprs(eqn) for e, _ in walk(body))
 
 
 def _body(ctx: _Context, closed: Any, stack: str,

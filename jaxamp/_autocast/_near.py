@@ -45,10 +45,7 @@ def _mark_near(ctx: _Context, eqn: Any, invals: list, outs: list, outer: str,
     depth = _near_depth(ctx, invals, const_in)
     if depth is None:
         return
-    depth += 0 if eqn.primitive.name in _VIEWS else 1
-    for x in outs:
-        if is_floating_array(x):
-            ctx.call.facts.set_near(x, depth)
+    ctx.call.facts.set_near_all(outs, depth + (0 if eqn.primitive.name in _VIEWS else 1))
 
 
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:

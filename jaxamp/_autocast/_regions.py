@@ -19,10 +19,10 @@ from jaxamp._autocast._near import _pure_elementwise_like
 from jaxamp._autocast._rules import _FLOAT32_RULE
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import CALLS
-from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import body as _jaxpr_body
+from jaxamp._jaxpr import kind
 from jaxamp._jaxpr import nested_stack
 from jaxamp._tree import is_floating_array
 
@@ -129,8 +129,7 @@ def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
 def _loops(eqn: Any) -> bool:
     """A loop or a branch, whose body may carry the value from step to step: a decay
     ``exp(-exp(nu))`` near 1 rounded to bf16 is 1, and a recurrence compounds it."""
-    known = HIGHER_ORDER.get(eqn.primitive.name)
-    return known is not None and known.kind in ("loop", "branch")
+    return kind(eqn) in ("loop", "branch")
 
 
 def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,
@@ -226,7 +225,5 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
     if ctx.call.facts.recompute:  # recomputed from its inputs: near when they are
         depth = _near_depth(ctx, invals, [v in constant for v in inputs])
         if depth is not None:
-            for x in outs:
-                if is_floating_array(x):
-                    ctx.call.facts.set_near(x, depth + 1)
+            ctx.call.facts.set_near_all(outs, depth + 1)
     done.update(members)

@@ -131,9 +131,7 @@ class _Rule:
         if kept is not None:
             outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
         if eqn.primitive.name in MATMULS:
-            for x in outs:  # saved (``_SAVED``)
-                if is_floating_array(x):
-                    facts.set_near(x, 0)
+            facts.set_near_all(outs, 0)  # saved (``_SAVED``)
         return outs
 
 
