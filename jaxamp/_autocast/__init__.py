@@ -123,7 +123,8 @@ from jaxamp._autocast._context import _Context
 from jaxamp._autocast._context import _Facts
 from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _DEBUG_CALLBACKS
-from jaxamp._autocast._recompute import _policy
+from jaxamp._autocast._recompute import _Memory
+from jaxamp._autocast._recompute import _Recomputing
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
 from jaxamp._fp8 import CurrentScaling
@@ -231,24 +232,21 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         paths = [tree_path_str(with_paths[i][0]) for i in traced]
         closed, out_shape = _trace(flat_fn, arrays)
 
-        recomputed = recompute and context.regions and _only_debug_effects(closed)
-
+        # Only under a half compute dtype; an effect would run again in the backward pass.
+        memory = (_Recomputing() if recompute and context.regions
+                  and _only_debug_effects(closed) else _Memory())
         scopes_seen: dict = {}
-        offloads: dict = {}
 
         def evaluate(*arrays):
-            facts = _Facts(recompute=recomputed)
-            for a, path in zip(arrays, paths, strict=True):  # the arguments: cheap
+            facts = _Facts()
+            for a, path in zip(arrays, paths, strict=True):
                 facts.set_path(a, path if quantizes else None)
-                facts.set_cheap(a)
                 facts.set_argument(a)
-            ctx = dataclasses.replace(context, call=_Call(facts, scopes_seen, offloads))
+            memory.arguments(facts, arrays)
+            ctx = dataclasses.replace(context, call=_Call(facts, memory, scopes_seen))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
-        # Only under a half compute dtype; an effect would run again in the backward pass.
-        if recomputed:
-            evaluate = jax.checkpoint(evaluate, policy=_policy(offloads))
-        outs = evaluate(*arrays)
+        outs = memory.around(evaluate)(*arrays)
         _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped

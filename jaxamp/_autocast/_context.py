@@ -44,11 +44,9 @@ class _Facts:
     :class:`_Fact` per value, set where the value is made and handed to the values made from
     it (:meth:`inherit`). A value's fact is found by the value itself: JAX hands each body it
     traces (a remat's, a scan's step) new tracers, which :meth:`inherit` ties to the caller's.
-    ``recompute``: the call recomputes in the backward pass (``cheap`` and ``near`` are kept
-    only then)."""
+    ``cheap`` and ``near`` are the memory pass's (:mod:`._recompute`), which alone sets them."""
 
-    def __init__(self, recompute: bool = False):
-        self.recompute = recompute
+    def __init__(self):
         self._by_id: dict[int, _Fact] = {}
 
     def clear(self) -> None:
@@ -98,13 +96,12 @@ class _Facts:
             self._fact(x).path = path
 
     def set_cheap(self, x: Any) -> None:
-        if self.recompute:
-            self._fact(x).cheap = True
+        self._fact(x).cheap = True
 
     def set_near(self, x: Any, depth: int) -> None:
         """``x`` is ``depth`` elementwise ops from kept values (0: one of them); recorded
         within ``_NEAR_DEPTH``."""
-        if self.recompute and depth <= _NEAR_DEPTH:
+        if depth <= _NEAR_DEPTH:
             self._fact(x).near = depth
 
     def set_near_all(self, values: Any, depth: int) -> None:
@@ -144,12 +141,12 @@ class _Call:
     """What one call of the autocast function learns as it evaluates: its own, never shared
     with another call."""
 
-    facts: _Facts = dataclasses.field(default_factory=_Facts)
+    facts: _Facts
+    # The memory pass (``jaxamp._autocast._recompute._Memory``): what the backward pass keeps.
+    memory: Any
     # The name scopes seen, and whether any op fell in ``fp32_scopes`` (shared by the calls of
     # one trace, for the warning about scopes that matched nothing).
     scopes_seen: dict = dataclasses.field(default_factory=dict)
-    # The names of the values a model's remat policy offloads, to its ``Offloadable``s.
-    offloads: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,4 +165,4 @@ class _Context:
     model_remat: Callable[..., Any] | None = None
     # A remat's body (a model's block), whose full-size outputs go on to the caller's ops.
     remat_body: bool = False
-    call: _Call = dataclasses.field(default_factory=_Call, compare=False)
+    call: _Call | None = dataclasses.field(default=None, compare=False)  # set for each call

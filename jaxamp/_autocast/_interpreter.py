@@ -14,25 +14,17 @@ from jax.extend import source_info_util
 from jaxamp._attention import find_calls as attention_calls
 from jaxamp._autocast._context import _Context
 from jaxamp._autocast._fused import _fused_attention
-from jaxamp._autocast._near import _mark_near
 from jaxamp._autocast._recompute import _VIEWS
-from jaxamp._autocast._recompute import _each_scan_step
-from jaxamp._autocast._recompute import _entering_model_remat
-from jaxamp._autocast._recompute import _recomputed_in_its_step
 from jaxamp._autocast._regions import _feeds_only_matmuls
 from jaxamp._autocast._regions import _is_seed
 from jaxamp._autocast._regions import _Level
 from jaxamp._autocast._regions import _run_region
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import HIGHER_ORDER
-from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import evaluate
-from jaxamp._jaxpr import kind
 from jaxamp._jaxpr import nested_stack
-from jaxamp._jaxpr import sub_jaxprs
-from jaxamp._jaxpr import walk
 from jaxamp._tree import is_floating_array
 
 
@@ -107,15 +99,8 @@ def _run_equation(ctx: _Context, eqn: Any, read: Callable, outer: str,
             ctx.call.facts.set_upcast(outs[0], invals[0])
         if eqn.primitive.name in _VIEWS and invals:
             ctx.call.facts.view(outs[0], invals[0])
-        if ctx.call.facts.recompute and eqn.primitive.name not in MATMULS:
-            _mark_near(ctx, eqn, invals, outs, outer,
-                       [isinstance(v, Literal) or v in constant for v in eqn.invars])
+        ctx.call.memory.computed(ctx, eqn, invals, outs, outer, const_in)
     return outs
-
-
-def _holds_remat(eqn: Any) -> bool:
-    """Whether a higher-order equation's bodies hold a model's own remat."""
-    return any(kind(e) == "remat" for body, _ in sub_jaxprs(eqn) for e, _ in walk(body))
 
 
 def _body(ctx: _Context, closed: Any, stack: str,
@@ -129,23 +114,28 @@ def _body(ctx: _Context, closed: Any, stack: str,
 
 def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
               const_in: Sequence[bool]) -> list:
+    """One equation: the rules' dtypes (the dtype pass: :func:`rule_for`, then the rule's
+    ``cast`` and ``bind``), with what the backward pass keeps of it named around its bind
+    (the memory pass, ``ctx.call.memory``), or its bodies entered under the rules."""
     name = eqn.primitive.name
     stack = nested_stack(eqn, outer)
     rule = rule_for(ctx, eqn, stack)
+    memory = ctx.call.memory
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
         is_remat = higher_order.kind == "remat"
         inner = ctx if ctx.remat_body == is_remat else dataclasses.replace(ctx,
                                                                          remat_body=is_remat)
-        if is_remat and ctx.call.facts.recompute:
-            invals, inner = _entering_model_remat(inner, eqn, invals)
-        # A scan of a model's remat'd blocks: the model's remat decides what each step keeps.
-        each_step_recomputed = (name == "scan" and ctx.call.facts.recompute
-                                and ctx.model_remat is None and not _holds_remat(eqn))
+        if is_remat:
+            invals, inner = memory.entering_remat(inner, eqn, invals)
 
         def enter(body, const_args=None):
             run = _body(inner, body, stack, const_args)
-            return _recomputed_in_its_step(ctx, run) if each_step_recomputed else run
-        return higher_order.run(eqn, invals, enter, const_in, each_step=_each_scan_step(ctx))
+            return memory.scan_body(ctx, eqn, run) if name == "scan" else run
+        return higher_order.run(eqn, invals, enter, const_in, each_step=memory.each_step(ctx))
     rule = rule.for_inputs(ctx, eqn, invals)
-    return rule.bind(ctx, eqn, rule.cast(ctx, eqn, invals, const_in))
+    invals = rule.cast(ctx, eqn, invals, const_in)
+    if not rule.memory_pass:
+        return rule.bind(ctx, eqn, invals)
+    return memory.outputs(ctx, eqn, invals,
+                          rule.bind(ctx, eqn, memory.operands(ctx, eqn, invals)))

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from jax.extend import source_info_util
 
 from jaxamp._autocast._casts import _cast
-from jaxamp._autocast._near import _near_depth
-from jaxamp._autocast._near import _pure_elementwise_like
 from jaxamp._autocast._rules import _FLOAT32_RULE
+from jaxamp._autocast._rules import _pure_elementwise_like
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import CALLS
 from jaxamp._jaxpr import MATMULS
@@ -205,7 +204,8 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
                 if call is not None:  # a jitted function: all of it in fp32
                     outs = body(inside, call, nested_stack(eqn, outer))(*ins)
                 else:
-                    outs = _FLOAT32_RULE.bind(ctx, eqn, ins)
+                    outs = ctx.call.memory.outputs(ctx, eqn, ins,
+                                                   _FLOAT32_RULE.bind(ctx, eqn, ins))
             for v, x in zip(eqn.outvars, outs, strict=True):
                 local[v] = x
         out = []
@@ -222,8 +222,5 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
     outs = (region if ctx.model_remat is not None else jax.checkpoint(region))(*invals)
     for v, x in zip(exports, outs, strict=True):
         env[v] = x
-    if ctx.call.facts.recompute:  # recomputed from its inputs: near when they are
-        depth = _near_depth(ctx, invals, [v in constant for v in inputs])
-        if depth is not None:
-            ctx.call.facts.set_near_all(outs, depth + 1)
+    ctx.call.memory.region(ctx, invals, [v in constant for v in inputs], outs)
     done.update(members)

@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp import _fp8_errors
 from jaxamp._autocast._casts import _ELEMENTWISE
@@ -23,12 +22,13 @@ from jaxamp._autocast._casts import _cast_constant
 from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._casts import _is_half_broadcast
 from jaxamp._autocast._context import _FULL_PRECISION
-from jaxamp._autocast._recompute import _OPERAND
-from jaxamp._autocast._recompute import _kept_name
 from jaxamp._fp8 import fp8_dot_general
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import jaxprs_in
+from jaxamp._jaxpr import nested_stack
+from jaxamp._jaxpr import sub_jaxprs
 from jaxamp._jaxpr import where
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
@@ -73,6 +73,9 @@ class _Rule:
     rewrites = True  # a half-precision broadcast's gradient is summed in fp32
     opens_region = False  # on a half-precision input, it starts an fp32 region
     joins_region = True  # an fp32 region grows over it
+    # The memory pass names what the backward pass keeps of it; an FP8 matmul names its own
+    # (its 8-bit operands and its output, not its accumulator).
+    memory_pass = True
 
     def for_inputs(self, ctx: _Context, eqn: Any, invals: list) -> _Rule:
         """The rule these inputs get (an FP8 matmul of integers is a plain one)."""
@@ -112,11 +115,6 @@ class _Rule:
         if "preferred_element_type" in params and any(is_floating_array(x) for x in invals):
             params["preferred_element_type"] = self.preferred(ctx, invals,
                                                               params["preferred_element_type"])
-        facts = ctx.call.facts
-        if facts.recompute and ctx.model_remat is None and eqn.primitive.name in MATMULS:
-            invals = [checkpoint_name(x, _OPERAND) if is_floating_array(x)
-                      and not facts.cheap(x) and facts.near(x) is None else x
-                      for x in invals]
         summed = _sums_in_its_transpose(ctx, eqn, invals) if self.rewrites else None
         bind_params = eqn.primitive.get_bind_params(params)
         if summed is not None and eqn.primitive.name == "gather":
@@ -127,11 +125,6 @@ class _Rule:
         else:
             out = eqn.primitive.bind(*invals, **bind_params)
             outs = out if eqn.primitive.multiple_results else [out]
-        kept = _kept_name(ctx, eqn.primitive, invals, params)
-        if kept is not None:
-            outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
-        if eqn.primitive.name in MATMULS:
-            facts.set_near_all(outs, 0)  # saved (``_SAVED``)
         return outs
 
 
@@ -248,6 +241,8 @@ class _Original(_Rule):
 class _Fp8(_Compute):
     """``"fp8"``: a ``dot_general`` in FP8 with current scaling, from compute-dtype inputs."""
 
+    memory_pass = False
+
     def for_inputs(self, ctx, eqn, invals):
         """The compute rule for integers, for an operand read from an argument the recipe
         keeps (the head), and for a batched matmul of two computed values (attention) unless
@@ -331,3 +326,24 @@ def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
     parts = [p for p in re.split(r"[()/]", stack) if p]
     joined = "/".join(parts)
     return any(s in parts or f"/{s}/" in f"/{joined}/" for s in scopes)
+
+
+def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
+    """An equation a region may hold: no effect, no matmul, no key, and no nested jaxpr but
+    a jitted function (``jnp.take_along_axis``, ``jnp.where``) whose body is such equations."""
+    if eqn.effects:
+        return False
+    # A jitted function, and a custom_jvp (``jax.nn.softmax``, ``relu``) whose primal is such
+    # equations: in a region it is bound as it is, in fp32, its rule kept.
+    body = _jaxpr_body(eqn, ("call", "custom") if eqn.primitive.name == "custom_jvp_call"
+                       else ("call",))
+    if body is not None:
+        stack = nested_stack(eqn, outer)
+        return all(_pure_elementwise_like(ctx, e, stack)
+                   for e in getattr(body, "jaxpr", body).eqns)
+    if next(sub_jaxprs(eqn), None) is not None or eqn.primitive.name in MATMULS:
+        return False
+    dtypes = (getattr(v.aval, "dtype", None) for v in (*eqn.invars, *eqn.outvars))
+    if any(d is not None and jnp.issubdtype(d, jax.dtypes.prng_key) for d in dtypes):
+        return False
+    return rule_for(ctx, eqn, nested_stack(eqn, outer)).joins_region
