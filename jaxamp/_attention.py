@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 
 _FUNCTION = "dot_product_attention"
@@ -84,8 +85,10 @@ def site(eqn: Any) -> tuple | None:
 
 
 def find_calls(jaxpr: Any) -> dict[int, Call]:
-    """The calls in ``jaxpr`` (not in its sub-jaxprs), by the index of their first equation."""
-    eqns = jaxpr.eqns
+    """The calls in ``jaxpr`` (a jaxpr or its :class:`~jaxamp._jaxpr.Level`; not in its
+    sub-jaxprs), by the index of their first equation."""
+    level = jaxpr if isinstance(jaxpr, Level) else Level(jaxpr)
+    eqns = level.eqns
     runs: list[tuple[tuple, list[int]]] = []
     for i, eqn in enumerate(eqns):
         where = site(eqn)
@@ -97,12 +100,6 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
             runs.append((where, [i]))
     if not runs:
         return {}
-    readers: dict[Any, set[int]] = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                readers.setdefault(v, set()).add(i)
-    returned = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     calls = {}
     for _, indices in runs:
         # Calls made one after another from one line (a loop) are one run: cut it after
@@ -113,7 +110,7 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
                 break
             last = dots[2] if len(dots) > 2 else len(indices)
             for end in range(dots[1] + 1, last + 1):
-                call = _confirmed(eqns, indices[:end], readers, returned)
+                call = _confirmed(level, indices[:end])
                 if call is not None:
                     calls[indices[0]] = call
                     indices = indices[end:]
@@ -142,7 +139,8 @@ def _without_varying(eqns: Any) -> tuple[list, dict]:
     return kept, aliases
 
 
-def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> Call | None:
+def _confirmed(level: Level, indices: list[int]) -> Call | None:
+    eqns = level.eqns
     members = set(indices)
     run, aliases = _without_varying(eqns[i] for i in indices)
     defined = {v for eqn in run for v in eqn.outvars} | set(aliases)
@@ -158,7 +156,7 @@ def _confirmed(eqns: list, indices: list[int], readers: dict, returned: set) -> 
             if not isinstance(v, Literal) and v not in defined and v not in inputs:
                 inputs.append(v)
     outputs = [v for v in defined
-               if v in returned or readers.get(v, set()) - members]
+               if v in level.outvars or set(level.consumers.get(v, ())) - members]
     dots = [eqn for eqn in run if eqn.primitive.name == "dot_general"]
     if len(outputs) != 1 or len(dots) != 2:
         return None

@@ -31,6 +31,7 @@ import numpy as np
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import RuleNotKeptWarning
 from jaxamp._jaxpr import scope
@@ -195,14 +196,14 @@ _TRANSPARENT = ("reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_d
                 "copy_p", "slice", "dynamic_slice", "concatenate", "pad", "select_n", "rev")
 
 
-def _fp32_source(var: Any, producers: dict, outer: str = "") -> str | None:
+def _fp32_source(var: Any, level: Level, outer: str = "") -> str | None:
     """Where an fp32 operand comes from: the name scope (or source line) of the op that made it
     fp32, or ``None`` when it was promoted from half precision by a convert (a victim, not a
     cause), or ``"input"`` when it enters the traced function (or the nested jaxpr) as fp32."""
     for _ in range(32):
         if isinstance(var, Literal):
             return "constant"
-        eqn = producers.get(var)
+        eqn = level.producing(var)
         if eqn is None:
             return "input"
         name = eqn.primitive.name
@@ -472,7 +473,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
     matmuls: list[MatmulSite] = []
     sensitive: dict[tuple, float] = defaultdict(float)
     casts: dict[str, dict[str, float]] = defaultdict(lambda: {"count": 0.0, "bytes": 0.0})
-    for eqn, mult, producers, outer in walk_levels(jaxpr):
+    for eqn, mult, level, outer in walk_levels(jaxpr):
         name = eqn.primitive.name
         flops = _matmul_flops(eqn)
         if flops is not None:
@@ -485,7 +486,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
             by_output[_dtype_name(out)] += flops
             sources = ""
             if "float32" in (lhs_t, rhs_t):
-                found = {_fp32_source(v, producers, outer) for v in eqn.invars[:2]
+                found = {_fp32_source(v, level, outer) for v in eqn.invars[:2]
                          if _dtype_name(v.aval) == "float32"}
                 sources = ", ".join(sorted(s for s in found if s))
             matmuls.append(MatmulSite(name, lhs_t, rhs_t, _dtype_name(out), tuple(lhs.shape),

@@ -30,8 +30,8 @@ from jaxamp._tree import convert_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import wider_float
 
-__all__ = ["CALLS", "Enter", "HIGHER_ORDER", "HigherOrder", "Interpreter", "Literal", "MATMULS",
-           "RuleNotKeptWarning",
+__all__ = ["CALLS", "Enter", "HIGHER_ORDER", "HigherOrder", "Interpreter", "Level", "Literal",
+           "MATMULS", "RuleNotKeptWarning",
            "body", "environment", "evaluate", "is_backward", "jaxprs_in", "kind", "made_order",
            "nested_stack", "run_traced", "scan_layout", "scope", "sub_jaxprs", "walk",
            "walk_levels", "where", "while_layout"]
@@ -201,15 +201,40 @@ def walk(jaxpr: Any, mult: float = 1.0) -> Iterator[tuple[Any, float]]:
         yield eqn, m
 
 
+class Level:
+    """One jaxpr's equations, indexed once: the equation that produces each variable and
+    those that read it (by position in ``eqns``), and the variables it returns. The one
+    producer/consumer index of a jaxpr level: autocast's regions, the attention finder and
+    the audit read it."""
+
+    def __init__(self, jaxpr: Any):
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        self.eqns = list(jaxpr.eqns)
+        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        self.producer: dict[Any, int] = {}
+        self.consumers: dict[Any, list[int]] = {}
+        for i, eqn in enumerate(self.eqns):
+            for v in eqn.outvars:
+                self.producer[v] = i
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    self.consumers.setdefault(v, []).append(i)
+
+    def producing(self, v: Any) -> Any:
+        """The equation that produces ``v``, or ``None`` (an input, a constant, a literal)."""
+        i = None if isinstance(v, Literal) else self.producer.get(v)
+        return None if i is None else self.eqns[i]
+
+
 def walk_levels(jaxpr: Any, mult: float = 1.0,
-                 outer: str = "") -> Iterator[tuple[Any, float, dict, str]]:
-    """Like :func:`walk`, with the map from each variable to the equation producing it and the
-    enclosing name stack: each equation in order, then the equations of its bodies (as
+                 outer: str = "") -> Iterator[tuple[Any, float, Level, str]]:
+    """Like :func:`walk`, with the :class:`Level` of each equation's jaxpr and the enclosing
+    name stack: each equation in order, then the equations of its bodies (as
     :func:`sub_jaxprs` gives them). It walks; it evaluates nothing (:func:`evaluate` does)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    level = Level(jaxpr)
     for eqn in jaxpr.eqns:
-        yield eqn, mult, producers, outer
+        yield eqn, mult, level, outer
         for sub, m in sub_jaxprs(eqn):
             yield from walk_levels(sub, mult * m, nested_stack(eqn, outer))
 

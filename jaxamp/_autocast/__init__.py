@@ -102,7 +102,6 @@ region that runs exactly as written (torch's ``autocast(enabled=False)``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 import warnings
@@ -208,10 +207,12 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     checked = _check_rules(rules)
     if policy.fp8 and (rules is None or "dot_general" not in rules):
         checked = {**checked, "dot_general": "fp8"}
-    context = _Context(policy.compute_dtype, checked, _check_scopes(fp32_scopes),
-                       regions=jnp.dtype(policy.compute_dtype) != jnp.float32,
-                       fp8_recipe=policy.fp8 if isinstance(policy.fp8, CurrentScaling)
-                       else CurrentScaling())
+    fp32_scopes = _check_scopes(fp32_scopes)
+    regions = jnp.dtype(policy.compute_dtype) != jnp.float32
+    context = functools.partial(_Context, policy.compute_dtype, checked, fp32_scopes,
+                                regions=regions,
+                                fp8_recipe=policy.fp8 if isinstance(policy.fp8, CurrentScaling)
+                                else CurrentScaling())
     quantizes = "fp8" in checked.values()
 
     @functools.wraps(fn)
@@ -233,7 +234,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         closed, out_shape = _trace(flat_fn, arrays)
 
         # Only under a half compute dtype; an effect would run again in the backward pass.
-        memory = (_Recomputing() if recompute and context.regions
+        memory = (_Recomputing() if recompute and regions
                   and _only_debug_effects(closed) else _Memory())
         scopes_seen: dict = {}
 
@@ -243,11 +244,11 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
                 facts.set_path(a, path if quantizes else None)
                 facts.set_argument(a)
             memory.arguments(facts, arrays)
-            ctx = dataclasses.replace(context, call=_Call(facts, memory, scopes_seen))
+            ctx = context(call=_Call(facts, memory, scopes_seen))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         outs = memory.around(evaluate)(*arrays)
-        _warn_unmatched_scopes(context.fp32_scopes, scopes_seen)
+        _warn_unmatched_scopes(fp32_scopes, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
 

@@ -165,4 +165,4 @@ class _Context:
     model_remat: Callable[..., Any] | None = None
     # A remat's body (a model's block), whose full-size outputs go on to the caller's ops.
     remat_body: bool = False
-    call: _Call | None = dataclasses.field(default=None, compare=False)  # set for each call
+    call: _Call = dataclasses.field(compare=False, kw_only=True)

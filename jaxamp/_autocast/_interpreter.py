@@ -17,11 +17,11 @@ from jaxamp._autocast._fused import _fused_attention
 from jaxamp._autocast._recompute import _VIEWS
 from jaxamp._autocast._regions import _feeds_only_matmuls
 from jaxamp._autocast._regions import _is_seed
-from jaxamp._autocast._regions import _Level
 from jaxamp._autocast._regions import _run_region
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import Interpreter
+from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import nested_stack
@@ -36,8 +36,8 @@ def _evaluate(ctx: _Context, jaxpr: Any, consts: list, args: list, outer: str,
     where a seed opens one. ``const_args`` flags the arguments that are compile-time constants
     in the caller (a Python number passed to a jitted function)."""
     constant = _constants(jaxpr, const_args)
-    level = _Level(jaxpr) if ctx.regions else None
-    calls = (attention_calls(jaxpr) if attention and ctx.regions
+    level = Level(jaxpr) if ctx.regions else None  # the one index of this level
+    calls = (attention_calls(level) if level is not None and attention
              and ctx.rules.get("dot_general") != "fp8" else {})
 
     return evaluate(jaxpr, consts, args, _Autocasting(ctx, constant, level, calls), outer)
@@ -47,7 +47,7 @@ class _Autocasting(Interpreter):
     """Each equation by :func:`_run_equation`; an attention call taken whole, and an fp32
     region where a seed opens one."""
 
-    def __init__(self, ctx: _Context, constant: set, level: _Level | None, calls: dict):
+    def __init__(self, ctx: _Context, constant: set, level: Level | None, calls: dict):
         self.ctx, self.constant, self.level, self.calls = ctx, constant, level, calls
 
     def equation(self, eqn: Any, read: Callable, outer: str) -> list:

@@ -15,8 +15,8 @@ from jax.ad_checkpoint import Saveable
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp import ops
-from jaxamp._fp8 import OUTPUT_NAME
 from jaxamp._autocast._rules import _pure_elementwise_like
+from jaxamp._fp8 import OUTPUT_NAME
 from jaxamp._fp8 import RESIDUAL_NAME
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import kind

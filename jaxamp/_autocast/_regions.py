@@ -19,6 +19,7 @@ from jaxamp._autocast._rules import _pure_elementwise_like
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import CALLS
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import body as _jaxpr_body
 from jaxamp._jaxpr import kind
@@ -32,23 +33,7 @@ if TYPE_CHECKING:
 _REGION_WINDOW = 48  # equations scanned past the last one that joined a region
 
 
-class _Level:
-    """One jaxpr's equations, with each variable's consumers."""
-
-    def __init__(self, jaxpr: Any):
-        self.eqns = list(jaxpr.eqns)
-        self.outvars = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-        self.consumers: dict[Any, list[int]] = {}
-        self.producer: dict[Any, int] = {}
-        for i, eqn in enumerate(self.eqns):
-            for v in eqn.outvars:
-                self.producer[v] = i
-            for v in eqn.invars:
-                if not isinstance(v, Literal):
-                    self.consumers.setdefault(v, []).append(i)
-
-
-def _look_behind(ctx: _Context, level: _Level, members: list[int], region_vars: set,
+def _look_behind(ctx: _Context, level: Level, members: list[int], region_vars: set,
                  env: dict, outer: str) -> list[int]:
     """Pulls into the region the elementwise ops before it whose only use is the region (the
     ``x * x`` of a variance, computed in the compute dtype from a half input): recomputed in
@@ -78,7 +63,7 @@ def _look_behind(ctx: _Context, level: _Level, members: list[int], region_vars: 
     return sorted(member_set)
 
 
-def _feeds_only_matmuls(level: _Level, i: int) -> bool:
+def _feeds_only_matmuls(level: Level, i: int) -> bool:
     """An upcast whose only consumers are matmuls (flax's ``promote_dtype`` of a kernel) is no
     region: the matmul takes the half-precision value it came from (``_downcast_source``)."""
     eqn = level.eqns[i]
@@ -104,7 +89,7 @@ def _size(v: Any) -> int:
     return math.prod(getattr(v.aval, "shape", ()))
 
 
-def _rounded_on_the_way(ctx: _Context, level: _Level, v: Any, members: set[int],
+def _rounded_on_the_way(ctx: _Context, level: Level, v: Any, members: set[int],
                         inputs: list, outer: str) -> bool:
     """Whether the region hands ``v`` on in the compute dtype: a full-size value read outside
     the region by the ops between the matmuls (the activations' elementwise ops, a nested
@@ -131,7 +116,7 @@ def _loops(eqn: Any) -> bool:
     return kind(eqn) in ("loop", "branch")
 
 
-def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callable,
+def _run_region(ctx: _Context, level: Level, seed: int, env: dict, read: Callable,
                 done: set[int], outer: str, constant: set, run_equation: Callable[..., list],
                 body: Callable[..., Callable]) -> None:
     """Grows the region from ``seed`` over the equations that consume its values, evaluates it
@@ -183,7 +168,6 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
                  for v in exports]
 
     inside = dataclasses.replace(ctx, regions=False, all_float32=True)
-    producer = {v: eqn for eqn in eqns for v in eqn.outvars}
 
     def region(*values):
         local = dict(zip(inputs, values, strict=True))
@@ -210,7 +194,7 @@ def _run_region(ctx: _Context, level: _Level, seed: int, env: dict, read: Callab
                 local[v] = x
         out = []
         for v, on in zip(exports, handed_on, strict=True):
-            eqn = producer[v]  # the cast is the user's op's: its source line and scope
+            eqn = level.producing(v)  # the cast is the user's op's: its source line and scope
             name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
                 out.append(_cast(local[v], ctx.compute) if on else local[v])
