@@ -348,6 +348,83 @@ def test_linen_modules_open_a_scope_each_and_fp32_scopes_match_a_module_path():
                      ("Net/router", "bfloat16")}
 
 
+def _sites(fn, *args, names=("dot_general",)):
+    return {(e.primitive.name, _jaxpr.scope(e), jnp.dtype(e.invars[0].aval.dtype).name)
+            for e in eqns(fn, *args) if e.primitive.name in names}
+
+
+def test_rules_by_name_scope_hold_inside_the_scope_only_the_innermost_deciding():
+    def f(w, x):
+        with jax.named_scope("body"):
+            h = jnp.exp(x @ w)
+            with jax.named_scope("inner"):
+                h = jnp.tanh(h @ w.T @ w)
+        with jax.named_scope("head"):
+            out = jnp.exp(h @ w.T)
+        return out
+
+    ac = jaxamp.autocast(f, rules={"exp": "compute",               # everywhere
+                                   "body": {"dot_general": "float32", "exp": "float32"},
+                                   "inner": {"dot_general": "compute"}})
+    assert _sites(ac, W, X, names=("dot_general", "exp")) == {
+        ("dot_general", "body", "float32"), ("exp", "body", "float32"),
+        ("dot_general", "body/inner", "bfloat16"),     # the innermost scope that names it
+        ("dot_general", "head", "bfloat16"), ("exp", "head", "bfloat16")}
+    # fp32_scopes put every op of a scope in fp32, whatever a scope's rules say
+    both = jaxamp.autocast(f, rules={"head": {"dot_general": "compute"}}, fp32_scopes=("head",))
+    assert ("dot_general", "head", "float32") in _sites(both, W, X)
+
+
+def test_rules_by_module_path_and_an_fp8_matmul_in_one_scope():
+    import flax.linen as nn
+
+    class Encoder(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, name="proj")(jax.nn.relu(nn.Dense(4, name="router")(x)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="router")(Encoder(name="Encoder")(x))  # another router
+
+    params = Net().init(jax.random.key(0), X)
+    ac = jaxamp.autocast(Net().apply, rules={"Encoder/router": {"dot_general": "float32"},
+                                             "proj": {"dot_general": "fp8"}})
+    sites = _sites(ac, params, X)
+    # proj's matmul is FP8's (traced inside fp8_dot_general, under no scope of the model's)
+    assert {d for _, _, d in sites} == {"float32", "float8_e4m3fn", "bfloat16"}
+    assert {s for s in sites if s[2] != "float8_e4m3fn"} == {
+        ("dot_general", "Net/Encoder/router", "float32"), ("dot_general", "Net/router", "bfloat16")}
+    np.testing.assert_allclose(np.asarray(ac(params, X)), np.asarray(Net().apply(params, X)),
+                               rtol=0.1, atol=0.05)
+
+
+def test_a_scope_of_rules_that_matches_nothing_is_warned_about_by_name():
+    def f(w, x):
+        with jax.named_scope("body"):
+            return jnp.exp(x @ w)
+    with pytest.warns(UserWarning, match=r"the scope 'router' of rules matched no op.*'body'"):
+        jax.make_jaxpr(jaxamp.autocast(f, rules={"router": {"exp": "compute"},
+                                                 "body": {"exp": "compute"}}))(W, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.make_jaxpr(jaxamp.autocast(f, rules={"body": {"exp": "compute"}}))(W, X)
+
+
+@pytest.mark.parametrize("rules,error,match", [
+    ({"head": {"exp": "fast"}}, ValueError, r"unknown autocast rule 'fast' for primitive 'exp' "
+                                            r"in scope 'head'"),
+    ({"head": {"Exp": "compute"}}, ValueError, r"primitive names .* got 'Exp' in scope 'head'"),
+    ({"head": {"exp": "fp8"}}, ValueError, r"'fp8' is for 'dot_general' only.*in scope 'head'"),
+    ({"": {"exp": "compute"}}, TypeError, r"non-empty name scope"),
+    ({"exp": 3}, ValueError, r"unknown autocast rule 3 for primitive 'exp'"),
+])
+def test_bad_rules_by_scope_are_refused_with_the_scope_named(rules, error, match):
+    with pytest.raises(error, match=match):
+        jaxamp.autocast(lambda x: x, rules=rules)
+
+
 def test_full_precision_outside_autocast_is_the_function_under_a_name_scope():
     def f(a, b):
         return jnp.tanh(a @ b)

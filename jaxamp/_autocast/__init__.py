@@ -95,9 +95,11 @@ one that names its ``implementation``, and one that JAX's function traced again 
 confirm (a ``vmap`` of the call, sequence lengths, a local window, the residual) keep the
 XLA implementation.
 
-Overrides: ``rules={"exp": "compute"}`` per primitive, ``fp32_scopes=("head",)`` per name scope
-or module path (every op inside, matmuls included, in fp32), and :func:`full_precision` for a
-region that runs exactly as written (torch's ``autocast(enabled=False)``).
+Overrides: ``rules={"exp": "compute"}`` per primitive, ``rules={"router": {"dot_general":
+"float32"}}`` per primitive inside a name scope or module path (the innermost scope that names
+the primitive decides), ``fp32_scopes=("head",)`` per name scope or module path (every op
+inside, matmuls included, in fp32), and :func:`full_precision` for a region that runs exactly as
+written (torch's ``autocast(enabled=False)``).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ from jaxamp._autocast._recompute import _Memory
 from jaxamp._autocast._recompute import _Recomputing
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
+from jaxamp._autocast._rules import _in_scopes
 from jaxamp._fp8 import CurrentScaling
 from jaxamp._jaxpr import sub_jaxprs as _sub_jaxprs
 from jaxamp._jaxpr import walk
@@ -171,7 +174,10 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         dtype and ``output_dtype`` the dtype of what ``fn`` returns.
       rules: per-primitive overrides, ``{"exp": "compute"}``; a rule is one of ``compute``,
         ``float32``, ``promote``, ``original`` or ``fp8`` (``dot_general`` only; the default
-        under the ``mixed_fp8`` policy).
+        under the ``mixed_fp8`` policy). A key whose value is such a dict is a name scope or
+        module path, as in ``fp32_scopes``, and its rules hold for the ops inside it:
+        ``{"router": {"dot_general": "float32"}}``; where scopes nest, the innermost scope
+        that names the primitive decides. A scope that matches no op is warned about.
       fp32_scopes: name scopes or module paths (``"head"``, ``"Encoder/router"``) whose ops all
         run in fp32, matmuls included. Linen modules open a scope named after the module,
         Equinox's own layers one named after their class (``eqx.nn.Linear``); NNX modules and
@@ -204,16 +210,16 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
     policy = get_policy(policy)
     if not jnp.issubdtype(policy.compute_dtype, jnp.floating):
         raise TypeError(f"autocast needs a floating compute dtype, got {policy.compute_dtype}")
-    checked = _check_rules(rules)
+    checked, scope_rules = _check_rules(rules)
     if policy.fp8 and (rules is None or "dot_general" not in rules):
         checked = {**checked, "dot_general": "fp8"}
     fp32_scopes = _check_scopes(fp32_scopes)
     regions = jnp.dtype(policy.compute_dtype) != jnp.float32
     context = functools.partial(_Context, policy.compute_dtype, checked, fp32_scopes,
-                                regions=regions,
+                                scope_rules, regions=regions,
                                 fp8_recipe=policy.fp8 if isinstance(policy.fp8, CurrentScaling)
                                 else CurrentScaling())
-    quantizes = "fp8" in checked.values()
+    quantizes = "fp8" in checked.values() or any("fp8" in r.values() for _, r in scope_rules)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -236,7 +242,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         # Only under a half compute dtype; an effect would run again in the backward pass.
         memory = (_Recomputing() if recompute and regions
                   and _only_debug_effects(closed) else _Memory())
-        scopes_seen: dict = {}
+        scopes_seen: set[str] = set()
 
         def evaluate(*arrays):
             facts = _Facts()
@@ -248,7 +254,7 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
             return [_cast(x, policy.output_dtype) for x in outs]
         outs = memory.around(evaluate)(*arrays)
-        _warn_unmatched_scopes(fp32_scopes, scopes_seen)
+        _warn_unmatched_scopes(fp32_scopes, scope_rules, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
 
@@ -276,24 +282,43 @@ def _only_debug_effects(closed: Any) -> bool:
         if eqn.effects and next(_sub_jaxprs(eqn), None) is None)
 
 
-def _check_rules(rules: Mapping[str, str] | None) -> Mapping[str, str]:
+def _check_rules(rules: Mapping[str, Any] | None) -> tuple[
+        Mapping[str, str], tuple[tuple[str, Mapping[str, str]], ...]]:
+    """The rules by primitive (``DEFAULT_RULES`` with the user's), and the user's rules by
+    name scope: a key whose value is a dict is a scope (``{"router": {"dot_general":
+    "float32"}}``)."""
     if rules is None:
-        return DEFAULT_RULES
+        return DEFAULT_RULES, ()
     if not isinstance(rules, Mapping):
         raise TypeError(f"rules must be a dict from primitive name to rule, got "
                         f"{type(rules).__name__} {rules!r}; for example {{'exp': 'compute'}}")
+    by_primitive = {k: v for k, v in rules.items() if not isinstance(v, Mapping)}
+    _check_primitive_rules(by_primitive, "")
+    by_scope = []
+    for scope, scoped in rules.items():
+        if isinstance(scoped, Mapping):
+            if not isinstance(scope, str) or not scope:
+                raise TypeError(f"a scope of rules must be a non-empty name scope (a string), "
+                                f"got {scope!r}; for example {{'router': {{'dot_general': "
+                                "'float32'}}")
+            _check_primitive_rules(scoped, f" in scope {scope!r}")
+            by_scope.append((scope, dict(scoped)))
+    return {**DEFAULT_RULES, **by_primitive}, tuple(by_scope)
+
+
+def _check_primitive_rules(rules: Mapping[str, Any], where: str) -> None:
     for name, rule in rules.items():
-        if rule not in _RULES:
-            raise ValueError(f"unknown autocast rule {rule!r} for primitive {name!r}; expected "
-                             f"one of {', '.join(_RULES)}")
+        if not isinstance(rule, str) or rule not in _RULES:
+            raise ValueError(f"unknown autocast rule {rule!r} for primitive {name!r}{where}; "
+                             f"expected one of {', '.join(_RULES)}, or for a name scope a dict "
+                             "of them, e.g. {'router': {'dot_general': 'float32'}}")
         if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
             raise ValueError(f"rules keys are primitive names such as 'exp' or 'dot_general', "
-                             f"got {name!r}")
+                             f"or name scopes with a dict of them, got {name!r}{where}")
         if rule == "fp8" and name != "dot_general":
-            raise ValueError(f"rule 'fp8' is for 'dot_general' only, got it for {name!r}: FP8 "
-                             "convolutions and other primitives are not supported; keep them "
-                             "in the compute dtype ('compute')")
-    return {**DEFAULT_RULES, **rules}
+            raise ValueError(f"rule 'fp8' is for 'dot_general' only, got it for {name!r}{where}: "
+                             "FP8 convolutions and other primitives are not supported; keep "
+                             "them in the compute dtype ('compute')")
 
 
 def _check_scopes(scopes: Sequence[str]) -> tuple[str, ...]:
@@ -307,14 +332,22 @@ def _check_scopes(scopes: Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...], scopes_seen: dict) -> None:
-    if not fp32_scopes or any(scopes_seen.values()):
+def _warn_unmatched_scopes(fp32_scopes: tuple[str, ...],
+                           scope_rules: tuple[tuple[str, Mapping[str, str]], ...],
+                           scopes_seen: set[str]) -> None:
+    """A warning for each scope of ``fp32_scopes`` and of ``rules`` that no op fell in."""
+    missed = [f"fp32_scopes={fp32_scopes!r}"] if fp32_scopes and not any(
+        _in_scopes(stack, fp32_scopes) for stack in scopes_seen) else []
+    missed += [f"the scope {scope!r} of rules" for scope, _ in scope_rules
+               if not any(_in_scopes(stack, (scope,)) for stack in scopes_seen)]
+    if not missed:
         return
-    seen = sorted({s for s in scopes_seen if s})
+    seen = sorted(s for s in scopes_seen if s)
     shown = ", ".join(repr(s) for s in seen[:8]) + (", ..." if len(seen) > 8 else "")
     warnings.warn(
-        f"autocast: fp32_scopes={fp32_scopes!r} matched no op, so nothing runs in fp32 "
-        f"because of them; the name scopes in this function are: {shown or 'none'}. Flax Linen "
+        f"autocast: {' and '.join(missed)} matched no op, so no rule changes because of "
+        f"{'them' if len(missed) > 1 else 'it'}; the name scopes in this function are: "
+        f"{shown or 'none'}. Flax Linen "
         "modules open a scope named after the module, Equinox's own layers one named "
         "after their class; NNX modules and the Equinox modules you write open none, so "
         "wrap the code in `with jax.named_scope('head'):` or use jaxamp.full_precision",

@@ -144,9 +144,9 @@ class _Call:
     facts: _Facts
     # The memory pass (``jaxamp._autocast._recompute._Memory``): what the backward pass keeps.
     memory: Any
-    # The name scopes seen, and whether any op fell in ``fp32_scopes`` (shared by the calls of
-    # one trace, for the warning about scopes that matched nothing).
-    scopes_seen: dict = dataclasses.field(default_factory=dict)
+    # The name stacks of the ops seen (shared by the calls of one trace, for the warning about
+    # scopes that matched nothing).
+    scopes_seen: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +157,8 @@ class _Context:
     compute: Any
     rules: Mapping[str, str]
     fp32_scopes: tuple[str, ...]
+    # The user's rules by name scope: (scope, {primitive: rule}), in the order given.
+    scope_rules: tuple[tuple[str, Mapping[str, str]], ...] = ()
     regions: bool = True
     all_float32: bool = False  # inside an fp32 region
     fp8_recipe: Any = None  # the jaxamp.fp8.CurrentScaling of the "fp8" rule

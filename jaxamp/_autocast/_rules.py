@@ -289,21 +289,22 @@ _EVERYTHING_FLOAT32_RULE = _EverythingFloat32()
 def rule_for(ctx: _Context, eqn: Any, stack: str) -> _Rule:
     """The one place an equation's rule is decided, in this order: :func:`full_precision`
     (``original``), inside an fp32 region (``float32``), ``fp32_scopes`` (everything fp32),
-    the rules by primitive (``DEFAULT_RULES`` and the user's), and for a primitive they do
-    not name, its structure: params that hold a traced function (``original``,
-    :func:`_holds_jaxpr`), ``integer_pow`` with a negative exponent (``float32``), else
-    ``promote``."""
+    the user's rules for the primitive in the innermost name scope that names it, the rules
+    by primitive (``DEFAULT_RULES`` and the user's), and for a primitive they do not name, its
+    structure: params that hold a traced function (``original``, :func:`_holds_jaxpr`),
+    ``integer_pow`` with a negative exponent (``float32``), else ``promote``."""
     if _FULL_PRECISION in stack:
         return _ORIGINAL_RULE
     if ctx.all_float32:
         return _FLOAT32_RULE
-    if ctx.fp32_scopes:
-        matched = _in_scopes(stack, ctx.fp32_scopes)
-        seen = ctx.call.scopes_seen
-        seen[stack] = seen.get(stack, False) or matched
-        if matched:
-            return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
+    if ctx.fp32_scopes or ctx.scope_rules:
+        ctx.call.scopes_seen.add(stack)
+    if ctx.fp32_scopes and _in_scopes(stack, ctx.fp32_scopes):
+        return _EVERYTHING_FLOAT32_RULE  # every op, matmuls included
     name = eqn.primitive.name
+    scoped = _scope_rule(stack, name, ctx.scope_rules) if ctx.scope_rules else None
+    if scoped is not None:
+        return _RULES[scoped]
     if name not in ctx.rules:
         if _holds_jaxpr(eqn):
             return _ORIGINAL_RULE
@@ -322,10 +323,39 @@ def _holds_jaxpr(eqn: Any) -> bool:
         next(jaxprs_in(v), None) is not None for v in eqn.params.values())
 
 
-def _in_scopes(stack: str, scopes: tuple[str, ...]) -> bool:
-    parts = [p for p in re.split(r"[()/]", stack) if p]
-    joined = "/".join(parts)
-    return any(s in parts or f"/{s}/" in f"/{joined}/" for s in scopes)
+def _in_scopes(stack: str, scopes: Sequence[str]) -> bool:
+    """Whether the name stack ``stack`` is inside one of ``scopes``."""
+    parts = _parts(stack)
+    return any(_depth(parts, s) is not None for s in scopes)
+
+
+def _parts(stack: str) -> list[str]:
+    """A name stack's scopes, outermost first (``jit(f)/head/dot_general``: ``f``, ``head``,
+    ``dot_general``)."""
+    return [p for p in re.split(r"[()/]", stack) if p]
+
+
+def _depth(parts: list[str], scope: str) -> int | None:
+    """How deep in ``parts`` the innermost match of ``scope`` ends (a name scope or a module
+    path, ``"Encoder/router"``), or ``None``."""
+    wanted = scope.split("/")
+    n = len(wanted)
+    ends = [i + n for i in range(len(parts) - n + 1) if parts[i:i + n] == wanted]
+    return ends[-1] if ends else None
+
+
+def _scope_rule(stack: str, name: str,
+                scope_rules: Sequence[tuple[str, Mapping[str, str]]]) -> str | None:
+    """The rule for primitive ``name`` of the innermost scope of ``scope_rules`` that holds
+    ``stack`` and names ``name`` (of two as deep, the later), or ``None``."""
+    parts = _parts(stack)
+    best, rule = -1, None
+    for scope, rules in scope_rules:
+        if name in rules:
+            depth = _depth(parts, scope)
+            if depth is not None and depth >= best:
+                best, rule = depth, rules[name]
+    return rule
 
 
 def _pure_elementwise_like(ctx: _Context, eqn: Any, outer: str) -> bool:
