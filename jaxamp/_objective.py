@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -55,20 +56,26 @@ class Objective:
     """``loss_fn`` takes ``model_state=`` and returns the new one."""
     has_rng: bool = False
     """``loss_fn`` takes ``rng=``."""
-    autocast: bool = False
-    """Run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy."""
+    autocast: bool | Mapping[str, Any] = dataclasses.field(default=False, hash=False)
+    """Run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy: ``True``, or a
+    dict of autocast's other options (``{"recompute": False}``, ``{"rules": ...,
+    "fp32_scopes": ...}``), checked when the objective is built."""
 
     def __post_init__(self) -> None:
         if not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(self.loss_fn).__name__} "
                             f"{self.loss_fn!r}; pass a function loss_fn(params, batch) -> loss")
-        for name in ("has_aux", "has_model_state", "has_rng", "autocast"):
+        for name in ("has_aux", "has_model_state", "has_rng"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+        object.__setattr__(self, "autocast", _autocast_options(self.autocast))
 
     def under(self, policy: Policy) -> Callable[..., Any]:
         """``loss_fn`` as the step calls it under ``policy``: wrapped by
-        :func:`jaxamp.autocast` with ``autocast``."""
-        return _autocast(self.loss_fn, policy) if self.autocast else self.loss_fn
+        :func:`jaxamp.autocast` with ``autocast``'s options."""
+        if not self.autocast:
+            return self.loss_fn
+        options = self.autocast if isinstance(self.autocast, Mapping) else {}
+        return _autocast(self.loss_fn, policy, **options)
 
     def batch_under(self, policy: Policy, batch: Any) -> Any:
         """The batch as ``loss_fn`` gets it under ``policy``: its floating leaves cast to the
@@ -131,13 +138,37 @@ class Scaled:
         return loss * self.scale, (loss, new_model_state, aux)
 
 
-def objective_of(loss_fn: Any, flags: dict[str, bool]) -> Objective:
+_AUTOCAST_OPTIONS = ("rules", "fp32_scopes", "recompute")
+
+
+def _autocast_options(autocast: Any) -> bool | Mapping[str, Any]:
+    """``autocast`` as the objective keeps it: ``False``, ``True`` (autocast's defaults), or a
+    dict of its options, checked by :func:`jaxamp.autocast` itself."""
+    if not isinstance(autocast, Mapping):
+        if autocast is None or isinstance(autocast, bool | int):
+            return bool(autocast)
+        raise TypeError(f"autocast must be True, False or a dict of jaxamp.autocast's options "
+                        f"({', '.join(_AUTOCAST_OPTIONS)}), got {type(autocast).__name__} "
+                        f"{autocast!r}")
+    unknown = [k for k in autocast if k not in _AUTOCAST_OPTIONS]
+    if unknown:
+        hint = (" (the policy is the train state's)" if "policy" in unknown else "")
+        raise TypeError(f"autocast={{...}} takes jaxamp.autocast's options "
+                        f"{', '.join(_AUTOCAST_OPTIONS)}; got {', '.join(map(repr, unknown))}"
+                        f"{hint}")
+    options = dict(autocast)
+    _autocast(lambda: None, **options)  # its checks, with the options named
+    return options or True
+
+
+def objective_of(loss_fn: Any, flags: Mapping[str, Any]) -> Objective:
     """``loss_fn`` with the flags given, or an :class:`Objective` (with no flags)."""
     if isinstance(loss_fn, Objective):
         given = {k: v for k, v in flags.items() if v}
         if given:
-            raise TypeError(f"{', '.join(f'{k}=True' for k in given)} is the objective's; "
-                            "an Objective already says how loss_fn is called: build it with "
-                            f"jaxamp.Objective(loss_fn, {', '.join(f'{k}=True' for k in given)})")
+            named = ", ".join(f"{k}={v!r}" for k, v in given.items())
+            raise TypeError(f"{named} is the objective's; an Objective already says how "
+                            f"loss_fn is called: build it with jaxamp.Objective(loss_fn, "
+                            f"{named})")
         return loss_fn
     return Objective(loss_fn, **flags)

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -208,7 +209,7 @@ def make_train_step(
     has_aux: bool = False,
     has_model_state: bool = False,
     has_rng: bool = False,
-    autocast: bool = False,
+    autocast: bool | Mapping[str, Any] = False,
     accum_steps: int = 1,
     axis_name: str | None = None,
     reduce_dtype: DTypeLike = jnp.float32,
@@ -240,7 +241,9 @@ def make_train_step(
         micro-batch index and, under ``axis_name``, the device index.
       autocast: run ``loss_fn`` under :func:`jaxamp.autocast` with the state's policy:
         matmuls in the compute dtype and precision-sensitive ops in fp32, for a model written
-        in fp32 with no ``dtype=`` anywhere.
+        in fp32 with no ``dtype=`` anywhere. ``True``, or a dict of autocast's other options:
+        ``{"recompute": False}`` (a model whose own remat decides what is kept),
+        ``{"rules": {...}, "fp32_scopes": (...)}``.
       accum_steps: micro-batches per step. The batch's leading axis is split into this many;
         the gradients are summed in fp32 and the optimizer runs once.
       axis_name: the pmap/shard_map axis to average gradients, loss and metrics over, when

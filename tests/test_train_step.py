@@ -20,6 +20,7 @@ from helpers import replicated_sharding
 from helpers import standard_promotion
 
 import jaxamp
+from jaxamp import _jaxpr
 from jaxamp.gradients import nonfinite_leaf_path
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -690,6 +691,39 @@ def test_the_step_traces_the_loss_once_with_the_fp32_matmul_warning_on(autocast)
     state = make_state("mixed_bfloat16")
     jax.jit(jaxamp.make_train_step(loss_fn, autocast=autocast)).lower(state, make_batch())
     assert len(calls) == 1
+
+
+def _remats_and_matmul_dtypes(autocast):
+    state = make_state("mixed_bfloat16")
+    step = jaxamp.make_train_step(mse_loss, autocast=autocast, warn_fp32_matmuls=False)
+    jaxpr = jax.make_jaxpr(step)(state, make_batch())
+    eqns = [e for e, _ in _jaxpr.walk(jaxpr.jaxpr)]
+    remats = sum(e.primitive.name in ("checkpoint", "remat", "remat2") for e in eqns)
+    dtypes = {str(e.invars[0].aval.dtype) for e in eqns if e.primitive.name == "dot_general"
+              and "helpers.py" in _jaxpr.where(e)}           # the loss's, forward and backward
+    return remats, dtypes
+
+
+def test_the_step_takes_autocasts_options_as_a_dict():
+    remats, dtypes = _remats_and_matmul_dtypes(True)
+    assert remats > 0 and dtypes == {"bfloat16"}
+    remats, _ = _remats_and_matmul_dtypes({"recompute": False})   # the model's remat decides
+    assert remats == 0
+    _, dtypes = _remats_and_matmul_dtypes({"rules": {"dot_general": "float32"}})
+    assert dtypes == {"float32"}
+    objective = jaxamp.make_train_step(mse_loss, autocast={"recompute": False}).objective
+    assert objective.autocast == {"recompute": False}
+
+
+@pytest.mark.parametrize("autocast,error,match", [
+    ({"policy": "mixed_float16"}, TypeError, r"options rules, fp32_scopes, recompute; got "
+                                             r"'policy' \(the policy is the train state's\)"),
+    ({"rules": {"exp": "fast"}}, ValueError, "unknown autocast rule 'fast'"),
+    ("yes", TypeError, "autocast must be True, False or a dict"),
+])
+def test_bad_autocast_options_are_refused_when_the_step_is_built(autocast, error, match):
+    with pytest.raises(error, match=match):
+        jaxamp.make_train_step(mse_loss, autocast=autocast)
 
 
 def test_promotion_warning_can_be_turned_off_and_is_silent_in_fp32():
