@@ -372,6 +372,45 @@ def test_a_models_offload_policy_is_honoured(policy, scanned):
     assert want and _offloaded_shapes(jaxamp.autocast(loss), w, x) == want
 
 
+REMAT_POLICIES = {
+    "full": None,                                   # MaxText's remat_policy="full"
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "names": jax.checkpoint_policies.save_only_these_names("up"),
+    "offload": OFFLOAD_POLICIES["names"],
+    "everything": jax.checkpoint_policies.everything_saveable,
+}
+
+
+@pytest.mark.parametrize("layout", ["scan", "unrolled", "while"])
+@pytest.mark.parametrize("remat", REMAT_POLICIES)
+def test_autocast_runs_no_more_matmuls_than_the_models_own_remat(remat, layout):
+    """Autocast's recompute composes with a model's remat: the forward and backward pass run
+    the matmuls fp32 runs, under every remat policy. A scan's final carry, read by the loss
+    after it, was recomputed by running the whole scan again (1.25x fp32's matmul FLOPs under
+    MaxText's default remat)."""
+    def block(w, x):
+        h = checkpoint_name(x @ w["a"], "up")
+        return x + jnp.tanh(jax.nn.gelu(checkpoint_name(h, "h")) @ w["b"])
+    blocks = jax.checkpoint(block, policy=REMAT_POLICIES[remat])
+
+    def loss(ws, x):
+        if layout == "scan":
+            x, _ = lax.scan(lambda h, w: (blocks(w, h), None), x, ws)
+        elif layout == "while":
+            x = lax.fori_loop(0, 3, lambda i, h: blocks(jax.tree.map(lambda a: a[i], ws), h), x)
+        else:
+            for i in range(3):
+                x = blocks(jax.tree.map(lambda a, i=i: a[i], ws), x)
+        return jnp.mean(jax.nn.log_softmax(x) ** 2)
+    ws = {"a": jnp.ones((3, 32, 64)) * 0.01, "b": jnp.ones((3, 64, 32)) * 0.01}
+    x = jnp.ones((8, 32))
+    half = jax.tree.map(lambda a: a.astype(BF16), ws)
+    want = jaxamp.audit_grad(loss, ws, x).total_matmul_flops
+    got = jaxamp.audit_grad(jaxamp.autocast(loss), half, x)
+    assert got.total_matmul_flops == want and got.share("bfloat16") == 1.0
+
+
 def test_a_rule_autocast_cannot_keep_is_warned_about_and_listed_by_the_audit(monkeypatch):
     """On a JAX whose ``custom_jvp`` params hold no rule jaxamp can read, the primal body is
     differentiated: autocast warns, naming the function's line, and the audit lists it."""

@@ -167,4 +167,6 @@ class _Context:
     model_remat: Callable[..., Any] | None = None
     # A remat's body (a model's block), whose full-size outputs go on to the caller's ops.
     remat_body: bool = False
+    # Inside a loop's body (a scan's step, a while's), at any depth.
+    in_loop: bool = False
     call: _Call = dataclasses.field(compare=False, kw_only=True)

@@ -123,16 +123,22 @@ def _equation(ctx: _Context, eqn: Any, invals: list, outer: str,
     memory = ctx.call.memory
     higher_order = HIGHER_ORDER.get(name) if rule.enters_bodies else None
     if higher_order is not None and higher_order.run is not None:
-        is_remat = higher_order.kind == "remat"
-        inner = ctx if ctx.remat_body == is_remat else dataclasses.replace(ctx,
-                                                                         remat_body=is_remat)
+        is_remat, loops = higher_order.kind == "remat", higher_order.kind == "loop"
+        in_loop = ctx.in_loop or loops
+        inner = (ctx if (ctx.remat_body, ctx.in_loop) == (is_remat, in_loop) else
+                 dataclasses.replace(ctx, remat_body=is_remat, in_loop=in_loop))
         if is_remat:
             invals, inner = memory.entering_remat(inner, eqn, invals)
 
         def enter(body, const_args=None):
             run = _body(inner, body, stack, const_args)
             return memory.scan_body(ctx, eqn, run) if name == "scan" else run
-        return higher_order.run(eqn, invals, enter, const_in, each_step=memory.each_step(ctx))
+        outs = higher_order.run(eqn, invals, enter, const_in, each_step=memory.each_step(ctx))
+        # What runs a loop or a model's remat again is kept; in a loop's body a remat's
+        # outputs are the next step's inputs, kept as such.
+        if loops or (is_remat and not ctx.in_loop):
+            outs = memory.outputs(ctx, eqn, invals, outs)
+        return outs
     rule = rule.for_inputs(ctx, eqn, invals)
     invals = rule.cast(ctx, eqn, invals, const_in)
     if not rule.memory_pass:

@@ -174,19 +174,22 @@ class _Recomputing(_Memory):
         kept = self._kept_name(ctx, eqn, invals)
         if kept is not None:
             outs = [checkpoint_name(x, kept) if is_floating_array(x) else x for x in outs]
-        if eqn.primitive.name in MATMULS:
-            ctx.call.facts.set_near_all(outs, 0)  # saved (``_SAVED``)
+        if eqn.primitive.name in MATMULS or (kept == _KEPT and kind(eqn) is not None):
+            ctx.call.facts.set_near_all(outs, 0)  # saved
         return outs
 
     def _kept_name(self, ctx: _Context, eqn: Any, invals: list) -> str | None:
         """The name under which the outputs of ``eqn`` are kept for the backward pass, or
-        ``None``: ``_KEPT`` for a matmul's outside a model's remat, and inside one for
-        whatever the model's policy saves; what it offloads
+        ``None``: ``_KEPT`` for a matmul's and a loop's outside a model's remat, and inside one
+        for whatever the model's policy saves; what it offloads
         (``save_and_offload_only_these_names``, ``offload_dot_with_no_batch_dims``) is named
-        for its memory kinds and offloaded so (:meth:`_policy`)."""
+        for its memory kinds and offloaded so (:meth:`_policy`). The outputs of a loop and of
+        a model's remat (as the interpreter asks) are kept as a matmul's are: recomputing one
+        runs the loop or the remat'd block again (the final carry of a scan of layers, read by
+        the loss after it, is every layer run twice)."""
         prim = eqn.primitive
         if ctx.model_remat is None:
-            return _KEPT if prim.name in MATMULS else None
+            return _KEPT if prim.name in MATMULS or kind(eqn) in ("loop", "remat") else None
         try:
             decision = ctx.model_remat(prim, *[jax.typeof(x) for x in invals], **eqn.params)
         except Exception:  # noqa: BLE001 - a policy that cannot judge saves nothing extra
