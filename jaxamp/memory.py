@@ -387,13 +387,28 @@ def gpu_memory(fn: Callable, *args: Any, target: str = "h200",
     >>> report.total_bytes == report.argument_bytes + report.temp_bytes  # w updated in place
     True
     """
-    mesh = mesh if mesh is not None else gpu_mesh(target)
+    mesh = mesh if mesh is not None else _context_mesh(target)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     abstract = jax.tree.map(lambda x: _abstract(x, replicated), args)
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums)
     report, _ = compile_report(jitted.lower(*abstract), _target_text(target)[0], mesh.size,
                                abstract, compiler_options)
     return report
+
+
+def _context_mesh(target: str) -> jax.sharding.Mesh:
+    """The mesh of ``jax.set_mesh`` when its devices are GPUs (a :func:`gpu_mesh`), else one
+    device of ``target``: under ``jax.set_mesh(gpu_mesh(...))`` jit places the step on the
+    context's devices, which one device of another mesh would contradict."""
+    context = jax.sharding.get_mesh()
+    if not context.empty and context.devices.flat[0].platform == "gpu":
+        return context
+    if not context.empty:
+        raise ValueError(f"jaxamp.memory.gpu_memory runs under jax.set_mesh of a mesh of "
+                         f"{context.devices.flat[0].platform} devices, on which it cannot "
+                         "compile for a GPU: set a jaxamp.memory.gpu_mesh(...) instead, or pass "
+                         "mesh=gpu_mesh(...) outside the set_mesh block")
+    return gpu_mesh(target)
 
 
 @contextlib.contextmanager
@@ -411,7 +426,10 @@ def compile_report(lowered: Any, target: str, devices: int, args: Any,
                    compiler_options: dict[str, Any] | None = None) -> tuple[GpuMemoryReport, Any]:
     """Compiles ``lowered`` (lowered for :func:`gpu_mesh` devices) and reads its memory:
     ``(report, compiled)``. ``args``: the abstract arguments, for their bytes by dtype."""
-    options = dict(compiler_options or {})
+    # The dump is read back: whatever XLA_FLAGS holds (a --xla_dump_hlo_module_re of another
+    # program, MaxText sets one), this program's buffer assignment is written as text.
+    options = {"xla_dump_hlo_module_re": ".*", "xla_dump_hlo_as_text": True,
+               **(compiler_options or {})}
     kept = options.get("xla_dump_to")  # the caller's dump: left in place
     with tempfile.TemporaryDirectory(prefix="jaxamp-gpu-memory-") as scratch:
         dump = kept or scratch
@@ -420,12 +438,15 @@ def compile_report(lowered: Any, target: str, devices: int, args: Any,
         assigned = sorted(glob.glob(os.path.join(dump, "*gpu_after_optimizations-buffer-"
                                                        "assignment.txt")),
                           key=os.path.getmtime)
-        assignment = ""
-        if assigned:
-            with open(assigned[-1]) as f:
-                assignment = f.read()
-        live_peak = _live_peak(assigned[-1].replace("-buffer-assignment.txt",
-                                                    "-live-range.txt")) if assigned else None
+        if not assigned:
+            raise RuntimeError(
+                f"jaxamp.memory: XLA wrote no buffer assignment for this program to {dump}, so "
+                "its memory cannot be split by dtype; the compile options given "
+                f"({sorted(options)}) or XLA_FLAGS ({os.environ.get('XLA_FLAGS', '')!r}) "
+                "turn the dump off or filter it")
+        with open(assigned[-1]) as f:
+            assignment = f.read()
+        live_peak = _live_peak(assigned[-1].replace("-buffer-assignment.txt", "-live-range.txt"))
     stats = compiled.memory_analysis()
     if isinstance(stats, list | tuple):
         stats = stats[0]

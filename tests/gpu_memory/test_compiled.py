@@ -56,6 +56,35 @@ def test_parts_of_a_known_program():
     assert 0 < report.live_peak_bytes <= report.total_bytes
 
 
+def _two_matmuls(w):
+    return jnp.tanh(jnp.tanh(w @ w) @ w).sum() * w
+
+
+def test_the_split_by_dtype_holds_whatever_xla_flags_filter(monkeypatch, tmp_path):
+    """MaxText sets XLA_FLAGS with a dump filter of its own when its config loads: the report
+    came back with no split by dtype and no peak, silently."""
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    want = jaxamp.memory.gpu_memory(_two_matmuls, w)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={tmp_path} --xla_dump_hlo_module_re=nomatch")
+    got = jaxamp.memory.gpu_memory(_two_matmuls, w)
+    assert got.temp_by_dtype == want.temp_by_dtype and sum(got.temp_by_dtype.values()) > 0
+    assert got.live_peak_bytes == want.live_peak_bytes is not None
+    with pytest.raises(RuntimeError, match="no buffer assignment"):
+        jaxamp.memory.gpu_memory(_two_matmuls, w,
+                                 compiler_options={"xla_dump_hlo_module_re": "nomatch"})
+
+
+def test_the_mesh_of_set_mesh_is_the_one_compiled_for():
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    mesh = jaxamp.memory.gpu_mesh("h200", 2)
+    with jax.set_mesh(mesh):      # it named device 0 of another mesh beside the context's
+        report = jaxamp.memory.gpu_memory(_two_matmuls, w)
+    assert report.devices == 2
+    with jax.set_mesh(jax.make_mesh((1,), ("batch",), devices=jax.devices("cpu")[:1])):
+        with pytest.raises(ValueError, match="mesh of cpu devices"):
+            jaxamp.memory.gpu_memory(_two_matmuls, w)
+
+
 def test_h100_and_a_target_of_ones_own():
     x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
     h100 = jaxamp.memory.gpu_memory(lambda x: (x @ x).sum(), x, target="h100")
