@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
+import inspect
 import io
 import math
 import re
@@ -37,6 +38,7 @@ from jaxamp._jaxpr import RuleNotKeptWarning
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
+from jaxamp._loss import split_outputs
 from jaxamp._tree import HALF_DTYPES
 from jaxamp._tree import floating_leaves
 
@@ -319,6 +321,11 @@ class AuditReport:
     ``'count'`` and ``'bytes'`` (read plus written)."""
     matmuls: list[MatmulSite]
     """Every matmul and convolution, whatever its dtypes."""
+    state_bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
+    """For a train step: the bytes of the state it holds (params, master weights, optimizer
+    and model state), by dtype; its ``saved_bytes_by_dtype`` are then what the step's loss
+    saves for its own backward pass (of one micro-batch), not the step's buffers. Empty for
+    any other function."""
     rules_not_kept: list[str] = dataclasses.field(default_factory=list)
     """Custom derivative rules that :func:`jaxamp.autocast` could not keep (a ``custom_jvp``
     whose rule this JAX does not expose where jaxamp reads it): each differentiated through
@@ -385,6 +392,7 @@ class AuditReport:
             "half_sensitive_ops": [dataclasses.asdict(s) for s in self.half_sensitive_ops],
             "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
             "saved_bytes": self.saved_bytes,
+            "state_bytes_by_dtype": dict(self.state_bytes_by_dtype),
             "casts": {k: dict(v) for k, v in self.casts.items()},
         }
 
@@ -407,13 +415,17 @@ class AuditReport:
             ("fp32-preferred ops running in half precision", [
                 (s.primitive, f"{s.dtype}{list(s.shape)}", f"x{s.count:g}", s.where)
                 for s in self.half_sensitive_ops[:15]]),
-            ("activation bytes saved for backward", [
+            ("activation bytes saved for backward" + (" (the step's loss)"
+                                                      if self.state_bytes_by_dtype else ""), [
                 *((k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.saved_bytes_by_dtype.items())),
                 ("total", f"{self.saved_bytes / 1e6:.3f} MB")]),
             ("casts (convert_element_type)", [
                 (k, f"{v['count']:g}", f"{v['bytes'] / 1e6:.3f} MB")
                 for k, v in sorted(self.casts.items(), key=lambda kv: -kv[1]["bytes"])]),
         ]
+        if self.state_bytes_by_dtype:  # a train step's
+            sections.insert(-1, ("the train state's bytes (not saved for backward)", [
+                (k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.state_bytes_by_dtype.items())]))
         if self.fp8_matmul_flops:  # its own row, only where FP8 runs
             sections.insert(1, ("FP8 matmul FLOPs (both operands 8-bit)", [
                 ("float8", f"{self.fp8_matmul_flops / 1e9:.3f} GFLOP",
@@ -528,9 +540,43 @@ def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
     """
     with _rules_not_kept() as dropped:
         jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    report = _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
+    step = inspect.unwrap(fn)  # jax.jit and jax.pmap keep the step as __wrapped__
+    if getattr(step, "objective", None) is not None and len(args) == 2 and not kwargs:
+        loss, params = _step_loss(step, *args)
+        report = _report(_title(fn), jaxpr, _saved_residuals(loss, (params,), {}))
+        report.state_bytes_by_dtype = _bytes_by_dtype(args[0])
+    else:
+        report = _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
     report.rules_not_kept = dropped
     return report
+
+
+def _step_loss(step: Any, state: Any, batch: Any) -> tuple[Callable, Any]:
+    """``(loss of the params, params)``: a train step's loss as the step differentiates it, on
+    its first micro-batch (the batch as the step hands it, the model state and the rng)."""
+    objective, policy = step.objective, state.policy
+    if step.accum_steps > 1:
+        batch = jax.tree.map(lambda x: x[: x.shape[0] // step.accum_steps], batch)
+    batch = objective.batch_under(policy, batch)
+    loss_fn = objective.under(policy)
+
+    def loss(params):
+        kwargs: dict[str, Any] = {}
+        if objective.has_model_state:
+            kwargs["model_state"] = state.model_state
+        if objective.has_rng:  # folded with the step, as the step does
+            kwargs["rng"] = jax.random.fold_in(state.rng, state.step)
+        out = loss_fn(params, batch, **kwargs)
+        return split_outputs(out, objective.has_aux, objective.has_model_state)[0]
+    return loss, state.params
+
+
+def _bytes_by_dtype(tree: Any) -> dict[str, int]:
+    by_dtype: dict[str, int] = defaultdict(int)
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "dtype") and hasattr(x, "shape"):
+            by_dtype[_dtype_name(x)] += _nbytes(x)
+    return dict(by_dtype)
 
 
 @contextlib.contextmanager

@@ -688,6 +688,32 @@ def test_train_step_of_a_clean_bfloat16_model_runs_its_matmuls_in_bfloat16():
         assert len(model) == 5
 
 
+def test_the_audit_of_a_step_reports_what_its_loss_saves_and_the_states_bytes_apart():
+    """A step is never differentiated: what differentiating the whole step would keep (the
+    state, the optimizer's arrays) was reported as saved for the backward pass."""
+    params = {"w1": jnp.ones((64, 256), F32) * 0.01, "w2": jnp.ones((256, 8), F32) * 0.01}
+    batch = np.ones((32, 64), np.float32)
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+    tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16")
+    state = jaxamp.TrainState.create(params=params, tx=tx)
+    for autocast, accum in ((False, 1), (True, 1), (True, 2)):
+        step = jaxamp.make_train_step(loss, autocast=autocast, accum_steps=accum)
+        report = jaxamp.audit(jax.jit(step), state, batch)
+        working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
+        half_batch = batch[: 32 // accum]
+        fn = jaxamp.autocast(loss) if autocast else loss
+        x = half_batch if autocast else half_batch.astype(jnp.bfloat16)
+        want = jaxamp.audit_grad(lambda p, fn=fn, x=x: fn(p, x), working).saved_bytes_by_dtype
+        assert report.saved_bytes_by_dtype == want, (autocast, accum)
+        state_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(state))
+        assert sum(report.state_bytes_by_dtype.values()) == state_bytes
+        assert "the train state's bytes" in str(report)
+    plain = jaxamp.audit(loss, params, batch)
+    assert plain.state_bytes_by_dtype == {} and "train state" not in str(plain)
+
+
 def dropout_loss(params, x, rng):
     h = x @ params["w"]
     keep = jax.random.bernoulli(rng, 0.5, h.shape)
