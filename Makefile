@@ -87,7 +87,7 @@ STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat pyproject.toml | cksum | c
 # scale, the master weights and their storage, the policies, the wrapping) is plain jnp and
 # lax and runs once, on the floor.
 UNIT_TESTS := tests/test_gradients.py tests/test_overflow.py tests/test_autocast.py \
-	tests/test_autocast_programs.py \
+	tests/test_autocast_programs.py tests/test_attention_structure.py \
 	tests/test_auditing.py tests/test_train_step.py tests/test_sharding.py \
 	tests/test_parallel.py tests/test_fp8.py tests/test_ops.py tests/test_jax_apis.py
 

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp import _attention_structure
 from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 
@@ -69,6 +70,12 @@ class Call:
     scores: Any               # the equation of its first dot_general
     equations: Equations      # its own equations, of ``reads``
     reads: tuple[Any, ...]    # the variables its equations read
+    # What the fused call is made of (:mod:`jaxamp._attention_structure`): the inputs' values
+    # arranged as query, key, value, bias and mask of ``jax.nn.dot_product_attention``, and
+    # its output put back in the layout of ``output``; ``None``: the inputs are those already.
+    arrange: Any = None
+    restore: Any = None
+    before: tuple[int, ...] = ()  # equations to run first: they make what the call reads
 
 
 def site(eqn: Any) -> tuple | None:
@@ -99,7 +106,7 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
         else:
             runs.append((where, [i]))
     if not runs:
-        return {}
+        return _by_structure(level, {})
     calls = {}
     for _, indices in runs:
         # Calls made one after another from one line (a loop) are one run: cut it after
@@ -117,7 +124,37 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
                     break
             else:
                 break
-    return calls
+    return _by_structure(level, calls)
+
+
+def _by_structure(level: Level, calls: dict[int, Call]) -> dict[int, Call]:
+    """``calls`` and the attention found by its structure elsewhere in ``level``
+    (:mod:`jaxamp._attention_structure`): flax's, MaxText's, a hand-written one."""
+    taken = {i for call in calls.values() for i in call.indices}
+    found = dict(calls)
+    for j, eqn in enumerate(level.eqns):
+        if eqn.primitive.name != "dot_general" or j in taken:
+            continue
+        chain = _attention_structure.find(level, j)
+        # A call of jax.nn.dot_product_attention is the site finder's to take or refuse (one
+        # that names its implementation runs as asked).
+        if (chain is None or taken & {*chain.indices, *chain.before}
+                or site(chain.scores) is not None):
+            continue
+        inputs = (chain.query, chain.key, chain.value, *chain.biases, *chain.masks)
+        reads = tuple(dict.fromkeys(
+            v for i in chain.indices for v in level.eqns[i].invars
+            if not isinstance(v, Literal) and level.producer.get(v) not in chain.indices))
+        output = eqn.outvars[0]
+        equations = Equations(invars=reads, outvars=(output,),
+                              eqns=tuple(level.eqns[i] for i in chain.indices))
+        options = {"scale": chain.scale, "is_causal": chain.causal,
+                   "bias": bool(chain.biases), "mask": bool(chain.masks)}
+        first = min(chain.indices)
+        found[first] = Call(chain.indices, inputs, output, options, None, chain.scores,
+                            equations, reads, chain.arrange, chain.restore, chain.before)
+        taken.update(chain.indices, chain.before)
+    return found
 
 
 # Marks a value as varying over a mesh axis (inside ``shard_map``, a step's data-parallel

@@ -31,10 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import print_saved_residuals
 
+from jaxamp import _attention_structure
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import RuleNotKeptWarning
+from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
@@ -321,6 +323,11 @@ class AuditReport:
     ``'count'`` and ``'bytes'`` (read plus written)."""
     matmuls: list[MatmulSite]
     """Every matmul and convolution, whatever its dtypes."""
+    attention_not_fused: list[str] = dataclasses.field(default_factory=list)
+    """Attention :func:`jaxamp.autocast` does not run as cuDNN's fused kernel, each as
+    ``"where: why"``: a matmul that reads a softmax's output but is no attention chain it
+    takes (dropout on the weights, a bias added before the scale, the scores read
+    elsewhere)."""
     state_bytes_by_dtype: dict[str, int] = dataclasses.field(default_factory=dict)
     """For a train step: the bytes of the state it holds (params, master weights, optimizer
     and model state), by dtype; its ``saved_bytes_by_dtype`` are then what the step's loss
@@ -393,6 +400,7 @@ class AuditReport:
             "saved_bytes_by_dtype": dict(self.saved_bytes_by_dtype),
             "saved_bytes": self.saved_bytes,
             "state_bytes_by_dtype": dict(self.state_bytes_by_dtype),
+            "attention_not_fused": list(self.attention_not_fused),
             "casts": {k: dict(v) for k, v in self.casts.items()},
         }
 
@@ -423,6 +431,9 @@ class AuditReport:
                 (k, f"{v['count']:g}", f"{v['bytes'] / 1e6:.3f} MB")
                 for k, v in sorted(self.casts.items(), key=lambda kv: -kv[1]["bytes"])]),
         ]
+        if self.attention_not_fused:
+            sections.insert(-1, ("attention not fused (autocast runs it as written)", [
+                (line,) for line in self.attention_not_fused]))
         if self.state_bytes_by_dtype:  # a train step's
             sections.insert(-1, ("the train state's bytes (not saved for backward)", [
                 (k, f"{v / 1e6:.3f} MB") for k, v in sorted(self.state_bytes_by_dtype.items())]))
@@ -520,6 +531,25 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
                        dict(casts), matmuls)
 
 
+def _attention_not_fused(fn: Callable, args: tuple) -> list[str]:
+    """``"where: why"`` of each matmul of ``fn`` as written (under no autocast: the one it
+    wraps, a step's loss) that reads a softmax's output but is no attention autocast fuses
+    (:func:`jaxamp._attention_structure.why_not`)."""
+    try:
+        jaxpr = jax.make_jaxpr(fn)(*args)
+    except Exception:  # noqa: BLE001 - a function that traces only as wrapped: nothing to say
+        return []
+    found: dict[str, None] = {}
+    positions: dict[int, dict[int, int]] = {}
+    for eqn, _, level, outer in walk_levels(jaxpr):
+        if eqn.primitive.name == "dot_general" and not is_backward(eqn, outer):
+            at = positions.setdefault(id(level), {id(e): i for i, e in enumerate(level.eqns)})
+            why = _attention_structure.why_not(level, at[id(eqn)])
+            if why is not None:
+                found[f"{where(eqn)}: {why}"] = None
+    return list(found)
+
+
 def _title(fn: Callable, suffix: str = "") -> str:
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return name + suffix
@@ -540,25 +570,31 @@ def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
     """
     with _rules_not_kept() as dropped:
         jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
-    step = inspect.unwrap(fn)  # jax.jit and jax.pmap keep the step as __wrapped__
+    step = inspect.unwrap(fn)  # jax.jit, jax.pmap and autocast keep what they wrap
     if getattr(step, "objective", None) is not None and len(args) == 2 and not kwargs:
         loss, params = _step_loss(step, *args)
         report = _report(_title(fn), jaxpr, _saved_residuals(loss, (params,), {}))
         report.state_bytes_by_dtype = _bytes_by_dtype(args[0])
+        report.attention_not_fused = _attention_not_fused(
+            _step_loss(step, *args, written=True)[0], (params,))
     else:
         report = _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
+        report.attention_not_fused = _attention_not_fused(
+            lambda *a: step(*a, **kwargs), args)
     report.rules_not_kept = dropped
     return report
 
 
-def _step_loss(step: Any, state: Any, batch: Any) -> tuple[Callable, Any]:
+def _step_loss(step: Any, state: Any, batch: Any,
+               written: bool = False) -> tuple[Callable, Any]:
     """``(loss of the params, params)``: a train step's loss as the step differentiates it, on
-    its first micro-batch (the batch as the step hands it, the model state and the rng)."""
+    its first micro-batch (the batch as the step hands it, the model state and the rng);
+    ``written``: the loss as written, under no autocast."""
     objective, policy = step.objective, state.policy
     if step.accum_steps > 1:
         batch = jax.tree.map(lambda x: x[: x.shape[0] // step.accum_steps], batch)
     batch = objective.batch_under(policy, batch)
-    loss_fn = objective.under(policy)
+    loss_fn = objective.loss_fn if written else objective.under(policy)
 
     def loss(params):
         kwargs: dict[str, Any] = {}
@@ -619,4 +655,6 @@ def audit_grad(fn: Callable, *args: Any, argnums: int | tuple[int, ...] = 0,
     report = _report(_title(fn, " (value and grad)"), jaxpr,
                      _saved_residuals(scalar, args, {}, argnums))
     report.rules_not_kept = dropped
+    written = inspect.unwrap(fn)
+    report.attention_not_fused = _attention_not_fused(lambda *a: written(*a, **kwargs), args)
     return report

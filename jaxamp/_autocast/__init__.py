@@ -80,7 +80,9 @@ recomputes a step in that step, where the forward scan would otherwise run again
 every step's recomputed values. The arguments and their casts are never saved under it.
 
 Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
-(flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one) runs, under a half
+(flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one), and any other
+``softmax(q·kᵀ·scale [+ bias] [masked]) · v`` found by its structure
+(:mod:`jaxamp._attention_structure`: Linen's, MaxText's, a hand-written one) runs, under a half
 compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
 (``lax.platform_dependent``: the choice follows the platform the program is lowered for, a
 deviceless compile for a GPU included), and as the XLA implementation under the rules above

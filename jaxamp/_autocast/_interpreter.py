@@ -49,6 +49,7 @@ class _Autocasting(Interpreter):
 
     def __init__(self, ctx: _Context, constant: set, level: Level | None, calls: dict):
         self.ctx, self.constant, self.level, self.calls = ctx, constant, level, calls
+        self.eqns = level.eqns if level is not None else []
 
     def equation(self, eqn: Any, read: Callable, outer: str) -> list:
         return _run_equation(self.ctx, eqn, read, outer, self.constant)
@@ -57,10 +58,18 @@ class _Autocasting(Interpreter):
         ctx = self.ctx
         call = self.calls.get(i)
         if call is not None:
+            for k in call.before:  # what the call reads, made inside its stretch
+                made = self.eqns[k]
+                env.update(zip(made.outvars, _run_equation(ctx, made, read, outer,
+                                                           self.constant), strict=True))
             out = _fused_attention(ctx, call, read, outer, self.constant, _body)
             if out is not None:
                 env[call.output] = out
-                return set(call.indices)
+                return set(call.indices) | set(call.before)
+            if call.before:  # its equations one by one, the first now
+                env.update(zip(eqn.outvars, _run_equation(ctx, eqn, read, outer,
+                                                          self.constant), strict=True))
+                return set(call.before) | {i}
         if (self.level is None or not _is_seed(ctx, eqn, [read(v) for v in eqn.invars], outer)
                 or _feeds_only_matmuls(self.level, i)):
             return None
