@@ -31,7 +31,7 @@ def dist(tmp_path_factory) -> pathlib.Path:
 
 
 def _wheel(dist: pathlib.Path) -> pathlib.Path:
-    (wheel,) = dist.glob("jaxamp-*.whl")
+    (wheel,) = dist.glob("jax_amp-*.whl")
     return wheel
 
 
@@ -50,18 +50,18 @@ def test_wheel_holds_the_library_and_nothing_else(dist):
     assert "jaxamp/py.typed" in names and "jaxamp/__init__.py" in names
     assert "jaxamp/fp8.py" in names and "jaxamp/_autocast/__init__.py" in names
     top = {name.split("/")[0] for name in names}
-    assert top == {"jaxamp", f"jaxamp-{jaxamp.__version__}.dist-info"}, top
+    assert top == {"jaxamp", f"jax_amp-{jaxamp.__version__}.dist-info"}, top
     outside = r"(train|tests|benchmarks|examples|notebooks|docs)/"
     assert not [n for n in names if re.match(outside, n)]
-    assert f"jaxamp-{jaxamp.__version__}.dist-info/licenses/LICENSE" in names
+    assert f"jax_amp-{jaxamp.__version__}.dist-info/licenses/LICENSE" in names
 
 
 def test_wheel_metadata(dist):
     wheel = _wheel(dist)
-    assert wheel.name == f"jaxamp-{jaxamp.__version__}-py3-none-any.whl"
-    text = zipfile.ZipFile(wheel).read(f"jaxamp-{jaxamp.__version__}.dist-info/METADATA")
+    assert wheel.name == f"jax_amp-{jaxamp.__version__}-py3-none-any.whl"
+    text = zipfile.ZipFile(wheel).read(f"jax_amp-{jaxamp.__version__}.dist-info/METADATA")
     meta = email.parser.Parser().parsestr(text.decode())
-    assert meta["Name"] == "jaxamp" and meta["Version"] == jaxamp.__version__
+    assert meta["Name"] == "jax-amp" and meta["Version"] == jaxamp.__version__
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Requires-Python"] == ">=3.11"
     classifiers = meta.get_all("Classifier")
@@ -78,10 +78,10 @@ def test_wheel_metadata(dist):
 
 
 def test_sdist_holds_the_sources_and_the_license(dist):
-    (sdist,) = dist.glob("jaxamp-*.tar.gz")
-    assert sdist.name == f"jaxamp-{jaxamp.__version__}.tar.gz"
+    (sdist,) = dist.glob("jax_amp-*.tar.gz")
+    assert sdist.name == f"jax_amp-{jaxamp.__version__}.tar.gz"
     names = tarfile.open(sdist).getnames()
-    base = f"jaxamp-{jaxamp.__version__}"
+    base = f"jax_amp-{jaxamp.__version__}"
     for name in ("pyproject.toml", "README.md", "LICENSE", "jaxamp/__init__.py", "jaxamp/py.typed"):
         assert f"{base}/{name}" in names, name
 

@@ -7,12 +7,16 @@ thrown away: the committed files keep the outputs of a full-size run.
 
 import os
 import pathlib
+import subprocess
+import sys
+import tomllib
 
 import nbclient
 import nbformat
 import pytest
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 
@@ -56,3 +60,44 @@ def test_committed_notebook_holds_a_full_run(path):
     assert '"google.colab" in sys.modules' in setup.source
     assert "JAXAMP_INSTALL_SPEC" in setup.source
     assert "".join(out.get("text", "") for out in setup.outputs).strip() == "full-size run"
+
+
+def _repository_url() -> str:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["urls"]["Repository"]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_each_notebook_installs_this_library_from_the_repository_and_opens_in_colab(path):
+    """The registry's `jaxamp` is another project: the setup cell clones the repository whose
+    URL pyproject.toml gives, installs that checkout, and names a `jaxamp` without
+    `mixed_precision` as another project's, with the install line."""
+    nb = nbformat.read(path, as_version=4)
+    setup = [cell for cell in nb.cells if cell.cell_type == "code"][0].source
+    url = _repository_url()
+    assert f'REPO = "{url}"' in setup
+    assert "jaxamp[train]" not in setup and "jax-amp[train] @ git+{REPO}" in setup
+    assert 'hasattr(jaxamp, "mixed_precision")' in setup
+    first = nb.cells[0].source
+    colab = url.replace("https://github.com/", "https://colab.research.google.com/github/")
+    assert f"[Open in Colab]({colab}/blob/main/notebooks/{path.name})" in first
+
+
+def test_the_repository_url_lives_in_pyproject_and_the_docs_site_names_the_same():
+    lines = (ROOT / "mkdocs.yml").read_text().splitlines()
+    assert f"repo_url: {_repository_url()}" in lines
+
+
+def test_python_m_train_names_another_projects_jaxamp(tmp_path):
+    """A `jaxamp` that is not this library (the registry's) first on the path: one sentence
+    with the install line, not an AttributeError."""
+    fake = tmp_path / "fake" / "jaxamp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("# another project's jaxamp\n")
+    result = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": f"{tmp_path / 'fake'}:{ROOT}"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith("pip install '.[train]' (its distribution is named "
+                                          "jax-amp)"), result.stderr
+    assert "another project" in result.stderr and "Traceback" not in result.stderr
