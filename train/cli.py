@@ -48,7 +48,8 @@ def _moments_dtype(text: str) -> str:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--config", choices=sorted(PRESETS),
+                    help="the preset (default: default; with --resume, the run's own)")
     ap.add_argument("--task", choices=("digits", "text", "mlm", "synthetic_images",
                                        "synthetic_text"))
     ap.add_argument("--model", help="resnet18, resnet50, resnet18_small, resnet50_small, "
@@ -145,7 +146,11 @@ def main(argv=None):
         _fail(f"--num-classes {args.num_classes}; expected a positive number of classes")
     if args.grad_clip is not None and not args.grad_clip >= 0:
         _fail(f"--grad-clip {args.grad_clip}; expected a norm >= 0 (0: no clipping)")
-    config = get_config(args.config, **overrides)
+    preset = args.config or "default"
+    workdir = args.workdir or f"runs/{preset}"
+    config = get_config(preset, **overrides)
+    if args.resume:  # the run's own config, with what may change on a resume
+        config = _resumed_config(train_lib, workdir, config, overrides, args.config)
     if args.fp8_recipe is not None and not jaxamp.get_policy(config.precision).fp8:
         _fail(f"--fp8-recipe {args.fp8_recipe} is for --precision mixed_fp8, got --precision "
               f"{config.precision}")
@@ -156,15 +161,44 @@ def main(argv=None):
     if config.data:
         # Before anything is written: a bad file leaves no workdir behind.
         config = check_data(config, args.num_classes)
-    workdir = args.workdir or f"runs/{args.config}"
-    if args.compare:
-        train_lib.compare(config, args.compare.split(","), workdir)
-        return
     try:
+        if args.compare:
+            train_lib.compare(config, args.compare.split(","), workdir)
+            return
         summary = train_lib.train_and_evaluate(config, workdir, resume=args.resume)
+    except train_lib.WorkdirHeld as e:
+        _fail(str(e))
     except (train_lib.TrainingStalled, train_lib.CheckpointMismatch) as e:
         raise SystemExit(f"{PROG}: error: {e}") from e
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+
+
+def _resumed_config(train_lib, workdir, config, overrides, preset):
+    """``--resume``: the config the run in ``workdir`` stored, with the flags given that a
+    resume may change (``train.RESUMABLE``: --steps, ...); another flag, or a --config, that
+    contradicts it is an error naming both values. A run that stored none (an older
+    version's): the preset and flags given."""
+    if not os.path.isdir(workdir):
+        _fail(f"--resume: {workdir} holds no run; pass the --workdir of the run to continue")
+    stored = train_lib.stored_config(workdir)
+    if stored is None:
+        return config
+    asked = json.loads(json.dumps(dataclasses.asdict(config)))
+    if preset is not None:
+        for key in ("task", "model"):
+            if stored.get(key) != asked[key]:
+                _fail(f"--resume: the run in {workdir} has {key} {stored.get(key)!r}, and "
+                      f"--config {preset} gives {asked[key]!r}; leave --config out to "
+                      "continue it, or train into another --workdir")
+    for key in overrides:
+        if key not in train_lib.RESUMABLE and stored.get(key) != asked[key]:
+            _fail(f"--resume: the run in {workdir} has {key} {stored.get(key)!r}, and "
+                  f"--{key.replace('_', '-')} {asked[key]!r} was given; leave the flag out to "
+                  "continue it, or train into another --workdir")
+    kept = {k: getattr(config, k) for k in overrides if k in train_lib.RESUMABLE}
+    fields = {f.name for f in dataclasses.fields(config)}
+    return dataclasses.replace(config, **{**{k: v for k, v in stored.items() if k in fields},
+                                          **kept})
 
 
 IMAGE_TASKS, TEXT_TASKS = ("digits",), ("text", "mlm")

@@ -39,13 +39,58 @@ from train.metrics_log import plot_run
 from train.metrics_log import read_metrics
 from train.metrics_log import scalar as _scalar
 
-__all__ = ["CheckpointMismatch", "Config", "TrainingStalled", "build_data", "build_model",
-           "check_checkpoint_matches", "compare", "evaluate", "plot_run", "read_metrics",
-           "train_and_evaluate"]
+__all__ = ["CheckpointMismatch", "Config", "TrainingStalled", "WorkdirHeld", "build_data",
+           "build_model", "check_checkpoint_matches", "compare", "evaluate", "plot_run",
+           "read_metrics", "resumes", "stored_config", "train_and_evaluate"]
 
 
 class TrainingStalled(FloatingPointError):
     """The gradients stayed non-finite at the minimum loss scale for ``stall_after`` steps."""
+
+
+class WorkdirHeld(ValueError):
+    """The workdir holds a run of another config, and ``--resume`` was not asked."""
+
+
+# Fields a resumed run may change: how long it trains, and how it reports and checkpoints.
+RESUMABLE = ("steps", "progress", "checkpoint_every", "keep_checkpoints", "stall_after",
+             "log_every")
+
+
+def stored_config(workdir: str) -> dict | None:
+    """The config of the run ``workdir`` holds (written when it started; a run of an older
+    version: its summary's), or ``None``."""
+    for name, key in (("config.json", None), ("summary.json", "config")):
+        path = os.path.join(workdir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                found = json.load(f)
+            return found if key is None else found.get(key)
+    return None
+
+
+def holds_a_run(workdir: str) -> bool:
+    """Whether ``workdir`` holds a run: its config, or a checkpoint."""
+    checkpoints = checkpointing.directory(workdir)
+    return stored_config(workdir) is not None or (
+        os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)))
+
+
+def resumes(config: Config, workdir: str, resume: bool) -> bool:
+    """Whether a run of ``config`` into ``workdir`` resumes the run there: asked (``resume``),
+    or the same config (a finished run reports again; an interrupted one goes on). Raises
+    :class:`WorkdirHeld` at once, before any training, for a run of another config."""
+    if resume or not holds_a_run(workdir):
+        return resume
+    stored = stored_config(workdir)
+    asked = json.loads(json.dumps(dataclasses.asdict(config)))
+    if stored == asked:
+        return True
+    differ = ("" if stored is None else ": " + ", ".join(
+        f"{k} {stored.get(k)!r} there, {asked[k]!r} asked" for k in asked
+        if stored.get(k) != asked[k]))
+    raise WorkdirHeld(f"{workdir} holds a run of another config{differ}; pass --resume to "
+                      "continue it, or another --workdir")
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,9 +98,15 @@ class TrainingStalled(FloatingPointError):
 # --------------------------------------------------------------------------------------------
 
 def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) -> dict:
-    """Trains and evaluates one config; returns the summary (also written to workdir)."""
+    """Trains and evaluates one config; returns the summary (also written to workdir). A
+    workdir that holds a run of the same config resumes it; of another, raises
+    :class:`WorkdirHeld` unless ``resume``."""
+    resume = resumes(config, workdir, resume)
     os.makedirs(workdir, exist_ok=True)
     is_chief = jax.process_index() == 0
+    if is_chief and not os.path.isfile(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=2)
     check_fp8(config)
     policy = policy_of(config)
     batches, evals, meta = build_data(config)
@@ -474,7 +525,11 @@ def evaluate(config: Config, state: jaxamp.TrainState, loss_fn: Callable, flags:
 
 
 def compare(config: Config, precisions: list[str], workdir: str) -> list[dict]:
-    """Trains the same config under several precisions; writes a table and one plot."""
+    """Trains the same config under several precisions; writes a table and one plot. Each
+    precision's workdir is checked before any of them trains (:func:`resumes`)."""
+    for precision in precisions:
+        resumes(dataclasses.replace(config, precision=precision),
+                os.path.join(workdir, precision), False)
     results = []
     for precision in precisions:
         summary = train_and_evaluate(dataclasses.replace(config, precision=precision),

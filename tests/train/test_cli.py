@@ -105,6 +105,58 @@ def test_resume_equals_an_uninterrupted_run_bit_for_bit(tmp_path, caplog):
     assert list(steps) == list(range(1, 11))
 
 
+def test_a_second_run_into_a_workdir_resumes_its_own_config_or_is_refused_at_once(
+        tmp_path, capsys):
+    """`make demo` twice, `python -m train` twice: orbax raised StepAlreadyExistsError at the
+    first checkpoint. The same config resumes (a finished run trains no step and reports
+    again; an interrupted one goes on); another config is refused before anything is built,
+    in one line naming --resume and --workdir."""
+    first = _run(tmp_path, "--precision", "mixed_bfloat16", "--steps", "3")
+    again = _run(tmp_path, "--precision", "mixed_bfloat16", "--steps", "3")
+    assert again["resumed_from"] == 3 and again["eval_loss"] == first["eval_loss"]
+    assert list(train_lib.read_metrics(str(tmp_path))["step"]) == [1, 2, 3]
+    capsys.readouterr()
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        _run(tmp_path, "--precision", "mixed_float16", "--steps", "3")
+    assert stop.value.code == 2 and time.perf_counter() - started < 5
+    err = capsys.readouterr().err.strip()
+    assert err == (f"python -m train: error: {tmp_path} holds a run of another config: "
+                   "precision 'mixed_bfloat16' there, 'mixed_float16' asked; pass --resume "
+                   "to continue it, or another --workdir"), err
+    # An interrupted run (its config and a checkpoint, no summary) goes on when run again.
+    os.remove(tmp_path / "summary.json")
+    resumed = _run(tmp_path, "--precision", "mixed_bfloat16", "--steps", "3")
+    assert resumed["resumed_from"] == 3
+
+
+def test_resume_alone_restores_the_runs_config_and_refuses_a_contradicting_flag(
+        tmp_path, capsys):
+    """`python -m train --resume --workdir runs/text`, as the CLI page shows, asked for
+    --config after 49 s."""
+    stored = _run(tmp_path, "--task", "text", *TINY["text"], "--precision", "mixed_bfloat16",
+                  "--steps", "2")
+    cli.main(["--resume", "--no-progress", "--workdir", str(tmp_path), "--steps", "3"])
+    with open(tmp_path / "summary.json") as f:
+        resumed = json.load(f)
+    assert resumed["resumed_from"] == 2 and resumed["steps"] == 3
+    assert {**resumed["config"], "steps": 2, "progress": True} == {**stored["config"],
+                                                                  "progress": True}
+    capsys.readouterr()
+    for flags, said in ((["--precision", "mixed_float16"],
+                         "has precision 'mixed_bfloat16', and --precision 'mixed_float16' was "
+                         "given"),
+                        (["--config", "default"], "has task 'text', and --config default gives "
+                                                  "'digits'")):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["--resume", "--no-progress", "--workdir", str(tmp_path), *flags])
+        assert stop.value.code == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--resume", "--workdir", str(tmp_path / "nothing")])
+    assert "holds no run" in capsys.readouterr().err
+
+
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen(
