@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import print_saved_residuals
 
+from jaxamp import _attention
 from jaxamp import _attention_structure
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Level
@@ -542,7 +543,9 @@ def _attention_not_fused(fn: Callable, args: tuple) -> list[str]:
     found: dict[str, None] = {}
     positions: dict[int, dict[int, int]] = {}
     for eqn, _, level, outer in walk_levels(jaxpr):
-        if eqn.primitive.name == "dot_general" and not is_backward(eqn, outer):
+        # A call of jax.nn.dot_product_attention is autocast's other finder's (_attention).
+        if (eqn.primitive.name == "dot_general" and not is_backward(eqn, outer)
+                and _attention.site(eqn) is None):
             at = positions.setdefault(id(level), {id(e): i for i, e in enumerate(level.eqns)})
             why = _attention_structure.why_not(level, at[id(eqn)])
             if why is not None:

@@ -36,6 +36,38 @@ def test_readme_autocast_quickstart_runs():
     assert jaxamp.audit(step, state, batch).share("bfloat16") >= 0.99
 
 
+def test_readme_says_what_autocast_adds_on_its_own_example_and_where_the_trap_is():
+    """The sentences after the autocast quickstart, on that exact example without
+    ``autocast=True``, and on the NNX GPT they name (``train/models/nnx_gpt.py``)."""
+    import jax.numpy as jnp
+
+    import jaxamp
+    text = " ".join(README.read_text().split())
+    assert ("this example's matmuls are bf16 too, but its cross-entropy's `exp`, `log` and "
+            "`reduce_sum` run in bf16") in text
+    assert "(the promotion trap: 98% of its matmul FLOPs); autocast runs them all in bf16" in text
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+                if "autocast=True" in b and "jaxamp.fp8" not in b]
+    namespace: dict = {}
+    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
+    state, batch, loss_fn = namespace["state"], namespace["batch"], namespace["loss_fn"]
+    plain = jaxamp.audit(jaxamp.make_train_step(loss_fn), state, batch)
+    assert plain.share("bfloat16") == 1.0
+    assert {op.primitive for op in plain.half_sensitive_ops} == {"exp", "log", "reduce_sum"}
+    assert jaxamp.audit(namespace["step"], state, batch).half_sensitive_ops == []
+    # The trap: the NNX GPT's causal mask is fp32.
+    from train.models import nnx_gpt
+    gpt_loss, params = nnx_gpt.loss_and_params(vocab=64, width=32, depth=1, heads=2, max_len=16)
+    tx = jaxamp.mixed_precision(__import__("optax").sgd(0.1), "mixed_bfloat16")
+    gpt = jaxamp.TrainState.create(params=params, tx=tx)
+    tokens = {"tokens": jnp.zeros((2, 9), jnp.int32)}
+    trapped = jaxamp.audit(jaxamp.make_train_step(gpt_loss, warn_fp32_matmuls=False), gpt,
+                           tokens)
+    assert round(trapped.share("float32"), 2) == 0.98
+    assert jaxamp.audit(jaxamp.make_train_step(gpt_loss, autocast=True), gpt,
+                        tokens).share("bfloat16") == 1.0
+
+
 def test_readme_has_only_tested_examples():
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) == 2, "each python block of README.md needs a test here"
