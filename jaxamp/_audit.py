@@ -541,13 +541,11 @@ def _attention_not_fused(fn: Callable, args: tuple) -> list[str]:
     except Exception:  # noqa: BLE001 - a function that traces only as wrapped: nothing to say
         return []
     found: dict[str, None] = {}
-    positions: dict[int, dict[int, int]] = {}
     for eqn, _, level, outer in walk_levels(jaxpr):
         # A call of jax.nn.dot_product_attention is autocast's other finder's (_attention).
         if (eqn.primitive.name == "dot_general" and not is_backward(eqn, outer)
                 and _attention.site(eqn) is None):
-            at = positions.setdefault(id(level), {id(e): i for i, e in enumerate(level.eqns)})
-            why = _attention_structure.why_not(level, at[id(eqn)])
+            why = _attention_structure.why_not(level, level.index(eqn))
             if why is not None:
                 found[f"{where(eqn)}: {why}"] = None
     return list(found)

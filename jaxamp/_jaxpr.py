@@ -220,6 +220,12 @@ class Level:
                 if not isinstance(v, Literal):
                     self.consumers.setdefault(v, []).append(i)
 
+    def index(self, eqn: Any) -> int:
+        """The position of ``eqn`` in :attr:`eqns`."""
+        if not hasattr(self, "_index"):
+            self._index = {id(e): i for i, e in enumerate(self.eqns)}
+        return self._index[id(eqn)]
+
     def producing(self, v: Any) -> Any:
         """The equation that produces ``v``, or ``None`` (an input, a constant, a literal)."""
         i = None if isinstance(v, Literal) else self.producer.get(v)

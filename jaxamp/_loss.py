@@ -25,6 +25,11 @@ def check_loss(loss: Any, *, scalar: str = "loss_fn must return a scalar loss",
 def split_outputs(out: Any, has_aux: bool, has_model_state: bool) -> tuple[Any, Any, Any]:
     """Unpacks ``loss``, ``(loss, aux)``, ``(loss, model_state)`` or ``(loss, state, aux)``."""
     expected = 1 + has_aux + has_model_state
+    if expected == 1 and isinstance(out, tuple):
+        raise ValueError(f"loss_fn returned a tuple of {len(out)} with has_aux=False and "
+                         "has_model_state=False, where the loss alone is expected: a (loss, "
+                         "aux) tuple needs has_aux=True, (loss, new_model_state) "
+                         "has_model_state=True, (loss, new_model_state, aux) both")
     if expected == 1:
         return out, None, None
     if not isinstance(out, tuple) or len(out) != expected:

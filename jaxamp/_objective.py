@@ -10,6 +10,7 @@ FP8 metadata that the step hands the loss are written here once.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +69,8 @@ class Objective:
         for name in ("has_aux", "has_model_state", "has_rng"):
             object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "autocast", _autocast_options(self.autocast))
+        _check_signature(self.loss_fn, {"model_state": self.has_model_state,
+                                        "rng": self.has_rng})
 
     def under(self, policy: Policy) -> Callable[..., Any]:
         """``loss_fn`` as the step calls it under ``policy``: wrapped by
@@ -139,6 +142,32 @@ class Scaled:
 
 
 _AUTOCAST_OPTIONS = ("rules", "fp32_scopes", "recompute")
+
+
+def _check_signature(loss_fn: Callable[..., Any], flags: Mapping[str, bool]) -> None:
+    """A keyword the flags hand ``loss_fn`` that it does not take, or one it requires that
+    they do not hand it, named when the step is built (a ``TypeError`` from inside the traced
+    step, nine frames deep, named neither the flag nor the fix)."""
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin or a C callable: nothing to read
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for name, given in flags.items():
+        flag = f"has_{name}"
+        p = params.get(name)
+        takes = p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                              inspect.Parameter.KEYWORD_ONLY)
+        if given and not takes:
+            raise TypeError(f"{flag}=True hands loss_fn {name}=, but "
+                            f"{getattr(loss_fn, '__name__', 'loss_fn')}{inspect.signature(loss_fn)}"
+                            f" takes no {name} argument: add one, or leave {flag} out")
+        if not given and p is not None and takes and p.default is inspect.Parameter.empty:
+            raise TypeError(f"{getattr(loss_fn, '__name__', 'loss_fn')}"
+                            f"{inspect.signature(loss_fn)} requires {name}=, which the step "
+                            f"hands it only with {flag}=True: pass {flag}=True to "
+                            "make_train_step (or jaxamp.Objective)")
 
 
 def _autocast_options(autocast: Any) -> bool | Mapping[str, Any]:

@@ -339,6 +339,12 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         mp = _checked_optimizer_state(state)
+        if self.objective.autocast and mp is None:
+            warnings.warn(
+                "make_train_step(autocast=True) with an optimizer that jaxamp.mixed_precision "
+                "does not wrap: the state's policy is float32, so autocast changes nothing and "
+                "the step trains in fp32; wrap it: tx = jaxamp.mixed_precision(tx, "
+                '"mixed_bfloat16") (or "mixed_float16")', UserWarning, stacklevel=2)
         placed = self.distribution.place(self, state, batch)
         scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
         batch = self.objective.batch_under(state.policy, batch)

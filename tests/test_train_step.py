@@ -955,3 +955,51 @@ def test_each_build_of_a_step_is_traced_on_its_own():
     for step in steps:
         jax.jit(step)(state, make_batch())
     assert len(traces) == 2
+
+
+def test_autocast_with_an_optimizer_mixed_precision_does_not_wrap_warns_at_trace_time():
+    """It trained silently in fp32 (the audit's bf16 share 0.0)."""
+    state = jaxamp.TrainState.create(params=init_params(), tx=optax.sgd(0.1))
+    step = jaxamp.make_train_step(mse_loss, autocast=True)
+    with pytest.warns(UserWarning, match=r"does not wrap: the state's policy is float32.*"
+                                         r"jaxamp.mixed_precision\(tx, \"mixed_bfloat16\"\)"):
+        jax.jit(step).lower(state, make_batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(jaxamp.make_train_step(mse_loss)).lower(state, make_batch())
+
+
+def _stateful(params, batch, model_state):
+    return mse_loss(params, batch), model_state
+
+
+def _with_rng(params, batch, *, rng):
+    return mse_loss(params, batch)
+
+
+@pytest.mark.parametrize("loss_fn,flags,match", [
+    (_stateful, {}, r"_stateful\(params, batch, model_state\) requires model_state=, which the "
+                    r"step hands it only with has_model_state=True: pass has_model_state=True"),
+    (_with_rng, {}, r"requires rng=.*pass has_rng=True"),
+    (mse_loss, {"has_model_state": True}, r"has_model_state=True hands loss_fn model_state=, "
+                                          r"but mse_loss\(params, batch\) takes no model_state"),
+    (mse_loss, {"has_rng": True}, r"has_rng=True hands loss_fn rng=.*takes no rng argument"),
+])
+def test_a_flag_the_loss_signature_contradicts_is_named_when_the_step_is_built(loss_fn, flags,
+                                                                               match):
+    """A BatchNorm model without has_model_state=True gave nine frames of internals and
+    ``TypeError: loss_fn() missing 1 required positional argument: 'model_state'``."""
+    with pytest.raises(TypeError, match=match):
+        jaxamp.make_train_step(loss_fn, **flags)
+
+
+def test_a_loss_that_returns_a_tuple_without_has_aux_is_named():
+    def loss_fn(params, batch):
+        return mse_loss(params, batch), {"mae": 0.0}
+    state = make_state("mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"returned a tuple of 2 with has_aux=False and "
+                                         r"has_model_state=False.*needs has_aux=True"):
+        jax.jit(jaxamp.make_train_step(loss_fn)).lower(state, make_batch())
+    # a loss with **kwargs, or a default, is taken as it is
+    jaxamp.make_train_step(lambda params, batch, **kw: mse_loss(params, batch))
+    jaxamp.make_train_step(lambda params, batch, model_state=None: mse_loss(params, batch))

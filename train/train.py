@@ -104,9 +104,6 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     resume = resumes(config, workdir, resume)
     os.makedirs(workdir, exist_ok=True)
     is_chief = jax.process_index() == 0
-    if is_chief and not os.path.isfile(os.path.join(workdir, "config.json")):
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(config), f, indent=2)
     check_fp8(config)
     policy = policy_of(config)
     batches, evals, meta = build_data(config)
@@ -123,6 +120,9 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
         if start and is_chief:
             print(f"resuming from the checkpoint of step {start} in "
                   f"{checkpointing.directory(workdir)}", flush=True)
+    if is_chief and not os.path.isfile(os.path.join(workdir, "config.json")):
+        with open(os.path.join(workdir, "config.json"), "w") as f:  # what --resume restores
+            json.dump(dataclasses.asdict(config), f, indent=2)
     step, state, put, unput = _layout(config, step_fn, state)
     # A host thread keeps the next batches ready; its state() is the position of the batches
     # actually consumed, which is what a checkpoint must hold.
