@@ -11,7 +11,8 @@ import pytest
 from helpers import ROOT
 
 EXAMPLES = pathlib.Path(ROOT) / "examples"
-NAMES = ["fp8_nnx", "linen_trainstate", "mlp_digits", "nnx_optimizer", "promotion_trap"]
+NAMES = ["equinox_batchnorm", "fp8_nnx", "linen_batchnorm_dropout", "linen_trainstate",
+         "mlp_digits", "nnx_batchnorm_dropout", "nnx_optimizer", "promotion_trap"]
 
 
 def _load(name):
@@ -97,3 +98,16 @@ def test_an_example_runs_as_a_script():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dtype_bf16   matmul FLOPs in bf16: 100.0%" in out.stdout
+
+
+@pytest.mark.parametrize("name", ["nnx_batchnorm_dropout", "linen_batchnorm_dropout",
+                                  "equinox_batchnorm"])
+def test_a_model_with_batchnorm_and_dropout_trains_through_the_step(name):
+    """The page of each model kind a user brings (docs/how-to/model-state.md): BatchNorm's
+    statistics as the step's fp32 model state, updated; dropout on the step's rng; every
+    matmul in bf16 under autocast; the model learns."""
+    out = _load(name).main(steps=40)
+    assert out["last_loss"] < 0.5 * out["first_loss"] and out["accuracy"] > 0.85, out
+    assert out["bf16_share"] == 1.0
+    assert out["params_dtypes"] == ["bfloat16"] and out["batch_stats_dtypes"] == ["float32"]
+    assert out["batch_stats_moved"] > 0
