@@ -7,6 +7,7 @@ which the rendered page does not show; a page's ```text, ```bash and ```pycon bl
 and never run. `make docs` builds the site itself, in strict mode.
 """
 
+import html.parser
 import importlib.util
 import os
 import pathlib
@@ -93,6 +94,66 @@ def test_the_home_page_and_the_readme_show_the_same_features_and_figures():
         "(BENCHMARKS.md)", "(benchmarks.md)")
 
 
+class _Page(html.parser.HTMLParser):
+    """The ids, the links and the link texts of one built page."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+        self.links: list[tuple[str, str]] = []
+        self._href: str | None = None
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        found = dict(attrs)
+        if found.get("id"):
+            self.ids.add(found["id"])
+        if tag == "a" and found.get("name"):
+            self.ids.add(found["name"])
+        if tag == "a" and found.get("href") is not None:
+            self._href, self._text = found["href"], []
+
+    def handle_data(self, data):
+        if self._href is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "a" and self._href is not None:
+            self.links.append((self._href, " ".join("".join(self._text).split())))
+            self._href = None
+
+
+def _site_links(site: pathlib.Path) -> tuple[list[str], list[str]]:
+    """``(broken, blank)``: the internal links of the built site whose page or anchor is
+    missing (the tables of contents included), and the navigation and contents entries whose
+    text lost its code (``": mixed precision"``, ``"Overrides: , ,"``)."""
+    pages = {}
+    for path in site.rglob("*.html"):
+        page = _Page()
+        page.feed(path.read_text(errors="replace"))
+        pages[path] = page
+    broken, blank = [], []
+    for path, page in pages.items():
+        for href, text in page.links:
+            if re.match(r"[a-z][a-z0-9+.-]*:", href) or href.startswith("//"):
+                continue  # another site
+            target, _, anchor = href.partition("#")
+            base = site if target.startswith("/") else path.parent  # the 404 page's
+            dest = (base / target.lstrip("/")).resolve() if target else path
+            if dest.is_dir():
+                dest = dest / "index.html"
+            where = f"{path.relative_to(site)}: {href}"
+            if dest not in pages:
+                if not dest.exists():
+                    broken.append(where)
+                continue
+            if anchor and anchor not in pages[dest].ids:
+                broken.append(where)
+            if anchor and (text.startswith((":", ",")) or re.search(r"\s,\s*,|:\s*,", text)):
+                blank.append(f"{where} ({text!r})")
+    return broken, blank
+
+
 def _site_copy(root: pathlib.Path) -> pathlib.Path:
     """What `make docs` reads, copied: the config, the pages, the package, the notebooks and the
     repository files the site shows."""
@@ -138,6 +199,9 @@ def test_the_strict_build_fails_on_a_broken_page(breakage, tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / "site" / "api" / "index.html").exists()
         assert (tmp_path / "site" / "notebooks" / "01_quickstart" / "index.html").exists()
+        broken, blank = _site_links(tmp_path / "site")
+        assert broken == [], broken[:20]
+        assert blank == [], blank[:20]
     else:
         assert result.returncode != 0, f"the build passed despite a broken {breakage}"
         expected = {"reference_and_link": ["jaxamp.no_such_name", "no-such-page.md"],

@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="resnet18, resnet50, resnet18_small, resnet50_small, "
                                     "bert_tiny, bert_base, bert_large, gpt_tiny, gpt_small, "
                                     "nnx_gpt_tiny (a user's NNX GPT, for --autocast)")
-    ap.add_argument("--precision", choices=PRECISIONS)
+    ap.add_argument("--precision", choices=PRECISIONS,
+                    help="the jaxamp preset (default: the config's; auto picks one per "
+                         "device: mixed_bfloat16 on TPUs and Ampere or newer GPUs, "
+                         "mixed_float16 on older GPUs, float32 on CPUs)")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--accum-steps", type=int)
     ap.add_argument("--autocast", action="store_true", default=None,

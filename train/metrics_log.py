@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import jaxamp
 from train.configs.default import Config
 
 
@@ -148,7 +149,12 @@ def plot_run(workdir: str) -> str:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax1.plot(m["step"], m["loss"])
     ax1.set(xlabel="step", ylabel="loss", title="training loss")
-    ax2.plot(m["step"], m["loss_scale"])
+    # The scale holds between the logged rows, which hold every change and skip.
+    ax2.plot(m["step"], m["loss_scale"], drawstyle="steps-post")
+    skipped = m["grads_finite"] == 0
+    if skipped.any():
+        ax2.plot(m["step"][skipped], m["loss_scale"][skipped], "rx", label="skipped step")
+        ax2.legend()
     ax2.set(xlabel="step", ylabel="loss scale", title="loss scale", yscale="log")
     fig.tight_layout()
     path = os.path.join(workdir, "curves.png")
@@ -163,7 +169,7 @@ def plot_compare(workdir: str, precisions: list[str], title: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     for precision in precisions:
         m = read_metrics(os.path.join(workdir, precision))
-        ax.plot(m["step"], m["loss"], label=precision)
+        ax.plot(m["step"], m["loss"], label=precision_label(precision))
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.legend()
     fig.tight_layout()
@@ -171,6 +177,14 @@ def plot_compare(workdir: str, precisions: list[str], title: str) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def precision_label(precision: str) -> str:
+    """``precision`` as a user reads it: ``auto`` with what it resolved to on this machine
+    (``"auto → float32 on cpu"``)."""
+    if precision != "auto":
+        return precision
+    return f"auto → {jaxamp.resolve_auto()} on {jax.local_devices()[0].platform}"
 
 
 def compare_table(results: list[dict]) -> str:

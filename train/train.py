@@ -36,6 +36,7 @@ from train.checkpointing import check_checkpoint_matches
 from train.configs.default import Config
 from train.configs.default import moments_dtype
 from train.metrics_log import plot_run
+from train.metrics_log import precision_label
 from train.metrics_log import read_metrics
 from train.metrics_log import scalar as _scalar
 
@@ -106,6 +107,8 @@ def train_and_evaluate(config: Config, workdir: str, *, resume: bool = False) ->
     is_chief = jax.process_index() == 0
     check_fp8(config)
     policy = policy_of(config)
+    if is_chief and config.precision == "auto":
+        print(f"precision: {precision_label(config.precision)}", flush=True)
     batches, evals, meta = build_data(config)
     params, model_state, loss_fn, eval_fn, flags = build_model(config, policy, meta)
     state = create_train_state(config, policy, params, model_state)
@@ -222,7 +225,8 @@ def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
 
 def _summary(config: Config, final: jaxamp.TrainState, stopped: int | None,
              resumed_from: int | None) -> dict:
-    return {"config": dataclasses.asdict(config), "steps": stopped or config.steps,
+    return {"config": dataclasses.asdict(config),
+            "precision": precision_label(config.precision), "steps": stopped or config.steps,
             "stopped_by_signal": stopped is not None, "resumed_from": resumed_from,
             "skipped_steps": int(jaxamp.find_state(final.opt_state).skipped_steps),
             "loss_scale": _scalar(final.loss_scale)}
@@ -264,16 +268,17 @@ def _run_steps(loop: _Loop, state: jaxamp.TrainState,
     config = loop.config
     with _Stop() as stop:
         throughput = metrics_log.Throughput(_items_per_step(config), start)
-        previous = None
+        previous, scale = None, None
         for i in range(start, config.steps):
             state, metrics = loop.step(state, loop.put(next(loop.feed)))
             done = i + 1
-            # The previous step's stall flag, read while this step runs: every step is
-            # checked without a host sync between steps.
+            # The previous step's stall flag and loss scale, read while this step runs: every
+            # step is checked without a host sync between steps.
             if previous is not None:
                 _raise_if_stalled(*previous, loop)
+                scale = _log_if_the_scale_moved(loop, *previous, scale, throughput)
             previous = (done, metrics)
-            if done % config.log_every == 0 or done == config.steps:
+            if _logged(config, done):
                 _log(loop, done, metrics, throughput)
             if loop.bar is not None:
                 loop.bar.update(1)
@@ -285,6 +290,23 @@ def _run_steps(loop: _Loop, state: jaxamp.TrainState,
             if stop.signal is not None:
                 return state, done
     return state, None
+
+
+def _logged(config: Config, step: int) -> bool:
+    """Whether ``step`` gets its log row in any case: every ``log_every`` steps and the last."""
+    return step % config.log_every == 0 or step == config.steps
+
+
+def _log_if_the_scale_moved(loop: _Loop, step: int, metrics: dict, scale: float | None,
+                            throughput: metrics_log.Throughput) -> float:
+    """Logs ``step`` beside the every-``log_every`` rows where it is the run's first, a
+    skipped step or a change of the loss scale, so that the log (and the loss-scale plot)
+    holds every step's scale; returns its scale."""
+    now = _scalar(metrics["loss_scale"])
+    moved = scale is None or now != scale or not _scalar(metrics["grads_finite"])
+    if moved and not _logged(loop.config, step):
+        _log(loop, step, metrics, throughput)
+    return now
 
 
 def _log(loop: _Loop, step: int, metrics: dict, throughput: metrics_log.Throughput) -> None:
@@ -534,8 +556,8 @@ def compare(config: Config, precisions: list[str], workdir: str) -> list[dict]:
     for precision in precisions:
         summary = train_and_evaluate(dataclasses.replace(config, precision=precision),
                                      os.path.join(workdir, precision))
-        results.append({"precision": precision, **{k: v for k, v in summary.items()
-                                                   if k != "config"}})
+        results.append({**{k: v for k, v in summary.items() if k != "config"},
+                        "precision": precision_label(precision)})
     if jax.process_index() == 0:
         metrics_log.plot_compare(workdir, precisions, title=f"{config.model} on {config.task}")
         table = metrics_log.compare_table(results)
