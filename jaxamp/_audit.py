@@ -573,11 +573,17 @@ def audit(fn: Callable, *args: Any, **kwargs: Any) -> AuditReport:
         jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
     step = inspect.unwrap(fn)  # jax.jit, jax.pmap and autocast keep what they wrap
     if getattr(step, "objective", None) is not None and len(args) == 2 and not kwargs:
-        loss, params = _step_loss(step, *args)
-        report = _report(_title(fn), jaxpr, _saved_residuals(loss, (params,), {}))
+        try:
+            loss, params = _step_loss(step, *args)
+            saved = _saved_residuals(loss, (params,), {})
+        except Exception as e:  # noqa: BLE001 - a step under pmap: its arguments per device
+            warnings.warn(f"jaxamp.audit could not list what the step's loss saves: {e}",
+                          stacklevel=2)
+            saved = {}
+        report = _report(_title(fn), jaxpr, saved)
         report.state_bytes_by_dtype = _bytes_by_dtype(args[0])
         report.attention_not_fused = _attention_not_fused(
-            _step_loss(step, *args, written=True)[0], (params,))
+            _step_loss(step, *args, written=True)[0], (_on_host(args[0].params),))
     else:
         report = _report(_title(fn), jaxpr, _saved_residuals(fn, args, kwargs))
         report.attention_not_fused = _attention_not_fused(
@@ -594,18 +600,27 @@ def _step_loss(step: Any, state: Any, batch: Any,
     objective, policy = step.objective, state.policy
     if step.accum_steps > 1:
         batch = jax.tree.map(lambda x: x[: x.shape[0] // step.accum_steps], batch)
-    batch = objective.batch_under(policy, batch)
+    # On the host: the loss is traced outside the step's shard_map, where arrays sharded over
+    # one mesh axis (the batch, ZeRO-3's params) would meet in a matmul.
+    batch = _on_host(objective.batch_under(policy, batch))
+    model_state = _on_host(state.model_state)
     loss_fn = objective.loss_fn if written else objective.under(policy)
 
     def loss(params):
         kwargs: dict[str, Any] = {}
         if objective.has_model_state:
-            kwargs["model_state"] = state.model_state
+            kwargs["model_state"] = model_state
         if objective.has_rng:  # folded with the step, as the step does
             kwargs["rng"] = jax.random.fold_in(state.rng, state.step)
         out = loss_fn(params, batch, **kwargs)
         return split_outputs(out, objective.has_aux, objective.has_model_state)[0]
-    return loss, state.params
+    return loss, _on_host(state.params)
+
+
+def _on_host(tree: Any) -> Any:
+    """The arrays of ``tree`` as NumPy arrays (no sharding), PRNG keys as they are."""
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and not
+                        jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
 
 
 def _bytes_by_dtype(tree: Any) -> dict[str, int]:

@@ -587,6 +587,25 @@ def _check_storage(master: Any, moments_dtype: Any, seed: Any) -> Moments | None
     return moments
 
 
+_WARNED_PURE_HALF: set[str] = set()
+
+
+def _warn_pure_half(policy: Policy) -> None:
+    """Warns once per policy that ``"fp16"``, ``"bf16"`` and their like keep the params
+    themselves in half precision, with no fp32 master: what a PyTorch user means by "fp16" is
+    AMP, ``"mixed_float16"``."""
+    half = jnp.dtype(policy.param_dtype)
+    if jnp.dtype(half).itemsize >= 4 or str(policy) in _WARNED_PURE_HALF:
+        return
+    _WARNED_PURE_HALF.add(str(policy))
+    mixed = "mixed_float16" if half == jnp.dtype(jnp.float16) else "mixed_bfloat16"
+    warnings.warn(
+        f"policy {policy.name or policy} ({policy}) keeps the params in {half.name} with no "
+        f"fp32 master: updates smaller than half a {half.name} ulp of a weight are lost. "
+        f"Mixed precision with an fp32 master, as PyTorch's AMP, is {mixed!r}",
+        UserWarning, stacklevel=3)
+
+
 def mixed_precision(
     inner: optax.GradientTransformation,
     policy: Any = "mixed_bfloat16",
@@ -698,6 +717,7 @@ def mixed_precision(
     (dtype(bfloat16), [0.5, 1.0], [0.5, 1.0])
     """
     policy = get_policy(policy)
+    _warn_pure_half(policy)
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)

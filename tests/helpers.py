@@ -208,3 +208,6 @@ def read_jsonl(path):
     """The records of a JSON-lines file (what the benchmark suites write)."""
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+from processes import dies_with_its_parent  # noqa: E402, F401 - light, for child processes

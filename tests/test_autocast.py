@@ -1720,6 +1720,7 @@ def test_shard_map_inside_and_outside_an_autocast_function():
 # --------------------------------------------------------------------------------------------
 
 AC = "tests/test_autocast.py::"
+AS = "tests/test_attention_structure.py::"
 GPU = "tests/gpu_memory/test_compiled.py::"   # XLA:GPU's compiler, `make test-gpu-memory`
 PAGE_EXAMPLES = "tests/test_docs.py::test_page_examples_run[concepts/autocast.md]"
 
@@ -1893,11 +1894,26 @@ PAGE_CLAIMS = {
     # Fused attention
     "as cuDNN's fused flash attention wherever the step is compiled for an NVIDIA GPU": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
-    "as JAX's XLA implementation under the rules above everywhere else": (
+    "and as written under the rules above everywhere else": (
         AC + "test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does",
+        AS + "test_autocast_runs_a_found_chain_as_written_off_the_gpu",
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel"),
-    "and so `nnx.MultiHeadAttention` with its defaults, makes that call": (
+    "and so `nnx.MultiHeadAttention` with its defaults, makes one": (
         GPU + "test_autocast_gives_a_users_nnx_attention_cudnns_kernel",),
+    "The probabilities' matmul reads a softmax": (
+        AS + "test_each_spelling_is_found_with_its_options",),
+    "a query's extra free axis is its group of a key's head": (
+        AS + "test_each_spelling_is_found_with_its_options",
+        AS + "test_the_arranged_call_gives_the_chains_values_and_gradients"),
+    "A mask that is a compile-time lower triangle (from `iota` or `jnp.tril`) becomes "
+    "`is_causal`": (AS + "test_each_spelling_is_found_with_its_options",),
+    "the arranged call, run with JAX's XLA implementation, gives the chain's values and "
+    "gradients": (AS + "test_the_arranged_call_gives_the_chains_values_and_gradients",),
+    "each become one `__cudnn$fmha` call forward and one backward": (
+        GPU + "test_attention_found_by_its_structure_compiles_to_cudnn",),
+    "leave the chain as written": (AS + "test_look_alikes_are_not_matched",),
+    "list each such matmul with the reason": (
+        AS + "test_the_audit_lists_attention_it_does_not_fuse_with_the_reason",),
     "so it finds the call in the traced program and makes the choice itself": (
         AC + "test_attention_calls_are_found_where_jax_traced_them",
         GPU + "test_the_reference_transformers_lower_attention_to_cudnn"),
@@ -1926,11 +1942,6 @@ PAGE_CLAIMS = {
         AC + "test_attention_calls_are_found_where_jax_traced_them",
         AC + "test_autocast_leaves_jax_as_it_is_and_runs_attention_as_jax_does",
         AC + "test_an_attention_call_with_sequence_lengths_or_a_residual_runs_as_asked"),
-    "compute their attention with einsums and a softmax; autocast runs those under its rules": (
-        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads"
-             "[linen_scan_over_layers]",
-        AC + "test_users_models_run_every_matmul_in_bf16_with_close_values_and_grads"
-             "[equinox_transformer]"),
     "counts the fused kernel's matmul FLOPs": (
         GPU + "test_the_audit_counts_cudnns_attention_flops",),
     "of a platform-dependent choice only the branch of JAX's default backend": (

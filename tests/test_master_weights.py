@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 
 import flax.training.train_state
 import jax
@@ -913,3 +914,18 @@ def test_the_state_takes_its_flat_names_beside_its_nested_fields():
         storage=s.storage, **s.health._asdict())
     assert jax.tree.structure(flat) == jax.tree.structure(s)
     assert_tree_bitwise_equal(jax.tree.leaves(flat), jax.tree.leaves(s))
+
+
+@pytest.mark.parametrize("spec,mixed", [("fp16", "mixed_float16"), ("bfloat16", "mixed_bfloat16")])
+def test_a_pure_half_policy_warns_once_that_it_keeps_no_fp32_master(spec, mixed, monkeypatch):
+    """A PyTorch user who types "fp16" means AMP: the only hint was Adam's second-moment
+    warning, printed twice."""
+    from jaxamp import _master_weights
+    monkeypatch.setattr(_master_weights, "_WARNED_PURE_HALF", set())
+    with pytest.warns(UserWarning, match=rf"keeps the params in \w+ with no fp32 master.*"
+                                         rf"as PyTorch's AMP, is '{mixed}'"):
+        jaxamp.mixed_precision(optax.sgd(0.1), spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxamp.mixed_precision(optax.sgd(0.1), spec)            # once
+        jaxamp.mixed_precision(optax.sgd(0.1), mixed)           # and never for mixed ones
