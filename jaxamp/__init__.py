@@ -40,6 +40,7 @@ the private module).
 """
 
 from jaxamp import _deprecated
+from jaxamp import _versions
 from jaxamp import fp8
 from jaxamp import gradients
 from jaxamp import memory
@@ -113,3 +114,5 @@ __all__ = (
 )
 
 __getattr__ = _deprecated.module_getattr
+
+_versions.check()

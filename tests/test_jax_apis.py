@@ -6,6 +6,7 @@ JAX range both are known to work in, check the public fallback against the impor
 that a diagnostic can never break a training step. The benchmarks' conformance suite reads
 one more private module, JAX's primitive test harnesses, pinned here too."""
 
+import pathlib
 import types
 import warnings
 
@@ -213,3 +214,15 @@ def test_jaxs_primitive_test_harnesses_import_and_hold_harnesses():
     args = h.dyn_args_maker(np.random.RandomState(0))
     assert any(jnp.issubdtype(np.asarray(a).dtype, jnp.floating) for a in args)
     assert jnp.shape(h.dyn_fun(*args)) == np.shape(args[0])
+
+
+def test_a_jax_newer_than_the_tested_range_is_warned_about_once_by_name():
+    from jaxamp import _versions
+    assert _versions.check()  # the jax of this lane is tested
+    assert _versions.check("0.12.9") and _versions.check("0.10.2")
+    with pytest.warns(UserWarning, match=r"tested with jax 0.10.2 to 0.12.x, and jax 0.13.0 "
+                                         r"is newer.*install jax<0.13"):
+        assert not _versions.check("0.13.0")
+    pyproject = (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert (f"# Tested with jax {_versions.TESTED[0]} to {_versions.TESTED[1]}.x" in pyproject
+            and f'"jax>={_versions.TESTED[0]}"' in pyproject)
