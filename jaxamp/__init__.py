@@ -33,13 +33,8 @@ The rest lives in public subpackages:
   ``next_working_params``);
 * ``jaxamp.memory``: the memory planner, :func:`jaxamp.memory.gpu_memory`: the memory a step
   needs on a GPU, compiled by XLA:GPU on a machine without one.
-
-Names that moved off the top level keep a deprecated alias for one release (``_deprecated``), and
-so do the old module paths (``jaxamp.policy`` and the like: a file each, that warns and hands on
-the private module).
 """
 
-from jaxamp import _deprecated
 from jaxamp import _versions
 from jaxamp import fp8
 from jaxamp import gradients
@@ -112,7 +107,5 @@ __all__ = (
     "scale_loss",
     "state",
 )
-
-__getattr__ = _deprecated.module_getattr
 
 _versions.check()

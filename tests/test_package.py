@@ -1,5 +1,5 @@
-"""The package's layout: what ``import jaxamp`` loads, which names each module may import from
-another, and the deprecated aliases of the names and modules that moved."""
+"""The package's layout: what ``import jaxamp`` loads, and which names each module may import
+from another."""
 
 import ast
 import importlib
@@ -12,7 +12,6 @@ from types import ModuleType
 import pytest
 
 import jaxamp
-from jaxamp import _deprecated
 
 PACKAGE = pathlib.Path(jaxamp.__file__).parent
 
@@ -35,9 +34,7 @@ def test_no_module_imports_a_name_its_source_does_not_export():
 
 
 def test_every_library_module_but_the_public_subpackages_is_private():
-    old_paths = {m.removeprefix("jaxamp.") for m in _deprecated.MOVED_MODULES}
-    public = sorted(p.stem for p in PACKAGE.glob("*.py")
-                    if not p.stem.startswith("_") and p.stem not in old_paths)
+    public = sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_"))
     assert public == ["fp8", "gradients", "memory", "ops", "parallel", "rounding", "state"]
     exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
     assert exported_modules == set(public)
@@ -52,27 +49,23 @@ def test_import_jaxamp_and_autocast_do_not_load_flax_nnx():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("name", sorted(_deprecated.MOVED_NAMES))
-def test_a_moved_name_still_works_with_a_warning(name):
-    new = _deprecated.MOVED_NAMES[name]
-    with pytest.warns(DeprecationWarning, match=f"jaxamp.{name} is deprecated.*use {new}"):
-        old = getattr(jaxamp, name)
-    assert old is getattr(importlib.import_module(new), name)
-    assert name not in jaxamp.__all__
+@pytest.mark.parametrize("name", ["put_sharded", "kahan_split", "grad_stats", "gpu_memory",
+                                  "get_loss_scale"])
+def test_a_name_of_a_public_module_is_not_on_the_top_level(name):
+    """Before the first release nothing keeps an alias: the names live in their modules."""
+    assert not hasattr(jaxamp, name)
 
 
-@pytest.mark.parametrize("old", sorted(_deprecated.MOVED_MODULES))
-def test_a_moved_module_still_imports_with_a_warning(old):
-    new = importlib.import_module(_deprecated.MOVED_MODULES[old])
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
-        module = importlib.import_module(old)
-    assert module is new
+@pytest.mark.parametrize("old", ["policy", "loss_scale", "master_weights", "train_step",
+                                 "autocasting", "auditing", "overflow"])
+def test_no_old_module_path_is_left(old):
+    assert not (PACKAGE / f"{old}.py").exists()
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"jaxamp.{old}")
 
 
 def test_importing_jaxamp_installs_no_import_hook():
-    """The old module paths are files of their own: ``import jaxamp`` leaves the import
-    system as it was."""
+    """``import jaxamp`` leaves the import system as it was."""
     code = ("import sys, jaxamp\n"
             "ours = [f for f in (*sys.meta_path, *sys.path_hooks)\n"
             "        if getattr(f, '__module__', '').startswith('jaxamp')]\n"
