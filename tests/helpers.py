@@ -210,4 +210,4 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-from processes import dies_with_its_parent  # noqa: E402, F401 - light, for child processes
+from processes import dying_with_its_parent  # noqa: E402, F401 - light, for child processes

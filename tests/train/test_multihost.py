@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from helpers import ROOT
-from helpers import dies_with_its_parent
+from helpers import dying_with_its_parent
 
 ARGS = ["-m", "train", "--config", "tiny", "--steps", "4", "--checkpoint-every", "4",
         "--parallel", "jit", "--precision", "mixed_float16", "--no-progress"]
@@ -49,11 +49,11 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     multi = tmp_path / "multi"
     # Each child is killed when this test's process dies (a `make test` stopped by SIGTERM or
     # SIGINT runs no finally), and here where the test fails.
-    procs = [subprocess.Popen(
+    procs = [subprocess.Popen(dying_with_its_parent(
         [sys.executable, *ARGS, "--zero", "3", "--workdir", str(multi), "--coordinator",
-         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        preexec_fn=dies_with_its_parent()) for i in range(2)]
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]),
+        cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for i in range(2)]
     try:
         outs = [p.communicate(timeout=300)[0].decode() for p in procs]
     finally:
@@ -62,9 +62,8 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
     single = tmp_path / "single"
-    out = subprocess.run([sys.executable, *ARGS, "--workdir", str(single)], cwd=ROOT,
-                         env=_env(4), capture_output=True, timeout=300,
-                         preexec_fn=dies_with_its_parent())
+    out = subprocess.run(dying_with_its_parent([sys.executable, *ARGS, "--workdir", str(single)]),
+                         cwd=ROOT, env=_env(4), capture_output=True, timeout=300)
     assert out.returncode == 0, out.stdout.decode()[-3000:] + out.stderr.decode()[-3000:]
 
     a, b = _state(multi), _state(single)
@@ -100,12 +99,11 @@ def test_a_stopped_test_run_leaves_no_child_behind(tmp_path):
     import time
     tag = f"jaxamp-cleanup-{os.getpid()}"
     for sig in (signal.SIGTERM, signal.SIGINT):
-        run = subprocess.Popen(
+        run = subprocess.Popen(dying_with_its_parent(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "tests/train/test_multihost.py::test_two_processes_equal_one_process_with_four_"
-             "devices"], cwd=ROOT, env={**os.environ, "JAXAMP_CLEANUP_TAG": tag},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=dies_with_its_parent())
+             "devices"]), cwd=ROOT, env={**os.environ, "JAXAMP_CLEANUP_TAG": tag},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 120
             while len(_tagged(tag)) < 3 and time.monotonic() < deadline:  # pytest + 2
@@ -140,7 +138,7 @@ def _tagged(tag: str) -> list[int]:
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_child_started_with_dies_with_its_parent_goes_when_the_parent_is_stopped(sig):
+def test_a_child_started_dying_with_its_parent_goes_when_the_parent_is_stopped(sig):
     """What the test above relies on, in a second: a parent stopped by a signal, which runs no
     cleanup, takes its child along."""
     import signal
@@ -149,8 +147,8 @@ def test_a_child_started_with_dies_with_its_parent_goes_when_the_parent_is_stopp
     parent = subprocess.Popen(
         [sys.executable, "-c",
          "import subprocess, sys, time; sys.path.insert(0, 'tests'); "
-         "from processes import dies_with_its_parent; "
-         "subprocess.Popen(['sleep', '60'], preexec_fn=dies_with_its_parent()); "
+         "from processes import dying_with_its_parent; "
+         "subprocess.Popen(dying_with_its_parent(['sleep', '60'])); "
          "print('started', flush=True); time.sleep(60)"],
         cwd=ROOT, env={**os.environ, "JAXAMP_CLEANUP_TAG": tag}, stdout=subprocess.PIPE)
     try:
