@@ -43,6 +43,7 @@ FAST_CPU_COMPILE = $(shell $(1) -c 'import jaxlib.version as v; print("--xla_cpu
 TEST_SELECT ?= -m "not slow"
 
 test: $(STAMP) lint
+	@echo "make test: about 10 minutes on a 2-core machine (lint and type checks, then the tests on 2 workers; a first run installs .venv before)"
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS) $(call FAST_CPU_COMPILE,$(PY))" \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(TEST_SELECT) \
 		jaxamp tests $(GPU_MEMORY_TESTS:%=--ignore=%) --ignore=$(ZOO_TESTS)
@@ -142,6 +143,48 @@ test-gpu-memory: $(STAMP_GPU)
 
 gpu-memory: $(STAMP_GPU)
 	$(VENV_GPU)/bin/python -m benchmarks gpu --deviceless h200 --out $(GPU_MEMORY_OUT)
+
+# MaxText's llama2 decoder under autocast against MaxText's own mixed precision
+# (benchmarks/maxtext.py), in .venv-maxtext: .venv-gpu's packages (Python 3.12, jax 0.11.2 with
+# its CUDA 13 plugin, for the H200 compile), maxtext 0.2.5 without its dependencies (its extras
+# pin hundreds of packages and another jax), and the packages its config and model code import,
+# each pinned and installed without its own dependencies, so that none of them moves jax.
+# `make maxtext` trains and compiles every remat policy MaxText names under three arms (on 2
+# cores: about 15 minutes).
+VENV_MAXTEXT := .venv-maxtext
+MAXTEXT_OUT ?= runs/maxtext
+MAXTEXT_PACKAGES := maxtext==0.2.5 \
+	omegaconf==2.4.0 jinja2==3.1.6 markupsafe==3.0.4 \
+	pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	huggingface-hub==2.4.0 anyio==4.16.0 click==8.5.1 filelock==4.3.2 h11==0.16.0 \
+	httpcore2==2.17.0 httpx2==2.17.0 truststore==0.10.5 \
+	pathwaysutils==0.1.13 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.55.0 \
+	annotated-doc==0.0.7 opentelemetry-api==1.45.3 \
+	qwix==0.1.8 aqtp==0.9.0 \
+	tokamax==0.0.17 immutabledict==4.3.1 xprof==2.24.2 fire==0.7.1 termcolor==3.3.0 six==1.17.0 \
+	einshape==1.0 \
+	transformers==5.25.0 tokenizers==0.23.3 safetensors==0.8.0 regex==2026.12.2 \
+	grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 \
+	drjax==0.2.1 tiktoken==0.14.0 sentencepiece==0.2.3 sympy==1.14.0 mpmath==1.3.0
+STAMP_MAXTEXT := $(VENV_MAXTEXT)/.installed-$(shell { cat pyproject.toml; echo '$(MAXTEXT_PACKAGES)'; } | cksum | cut -d' ' -f1)
+
+.PHONY: install-maxtext maxtext
+
+$(STAMP_MAXTEXT): pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make install-maxtext: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
+	rm -rf $(VENV_MAXTEXT)
+	$(PYTHON_NEWEST) -m venv $(VENV_MAXTEXT)
+	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) -e '.[dev,train,gpu-memory]' \
+		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
+	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) --no-deps $(MAXTEXT_PACKAGES)
+	$(VENV_MAXTEXT)/bin/python -c "import jax, flax, maxtext; from maxtext.configs import pyconfig; from maxtext.utils import model_creation_utils; print('maxtext:', maxtext.__version__, 'jax', jax.__version__, 'flax', flax.__version__)"
+	touch $(STAMP_MAXTEXT)
+
+install-maxtext: $(STAMP_MAXTEXT)
+
+maxtext: $(STAMP_MAXTEXT)
+	$(VENV_MAXTEXT)/bin/python -m benchmarks maxtext --out $(MAXTEXT_OUT)
 
 lint: $(STAMP) typecheck
 	$(VENV)/bin/ruff check jaxamp tests train benchmarks examples docs/_ext

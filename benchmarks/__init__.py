@@ -13,6 +13,7 @@
     python -m benchmarks numerics [--arms ...]     # eval loss vs the twin: paired seeds, 95% CI
     python -m benchmarks moments                   # Adam's nu in bf16 and 8 bits against fp32
     python -m benchmarks conformance               # autocast on JAX's primitive harnesses
+    python -m benchmarks maxtext                   # MaxText's llama2: autocast vs its bf16
     python -m benchmarks all --tiny                # every suite at a tiny size (what the tests run)
 
 The overhead, memory, torch, cpu_flags and gpu suites print a markdown table, write one JSON line

@@ -20,7 +20,8 @@ SUITES = {"overhead": "overhead", "memory": "memory", "torch": "torch_amp",
           "long_fp16": "long_fp16", "autocast": "autocast", "autocast_step": "autocast_step",
           "zero": "zero", "step_memory": "step_memory", "master_numerics": "master_numerics",
           "fp8": "fp8", "remat": "remat", "compile_time": "compile_time",
-          "numerics": "numerics", "moments": "moments", "conformance": "conformance"}
+          "numerics": "numerics", "moments": "moments", "conformance": "conformance",
+          "maxtext": "maxtext"}
 _COMMON = ("tiny", "rounds", "out", "xla_flags")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

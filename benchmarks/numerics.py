@@ -94,6 +94,13 @@ GOALS = {
     "stochastic": ("bf16", 0.005),
 }
 MODELS = {"char": {}, "wide": {"gpt": {"width": 256, "heads": 4, "mlp": 1024}}}
+# The CLI's presets as they ship, each its own setting: its model, steps, learning rate, warmup
+# and clipping (``text``: the char GPT, 500 steps, lr 3e-3, 20 warmup steps, no clipping;
+# ``mlm``: the tiny BERT on the same text, 500 steps, lr 1e-3, 20 warmup steps, no clipping).
+# The mlm task's masks are drawn, so its eval is not the split's windows once each but as many
+# batches as the split holds (23 of 32 x 64), drawn with the seed: the same for every arm.
+PRESET_MODELS = ("text", "mlm")
+MLM_EVAL_BATCHES = 23
 STEPS, SEEDS, WIDE_SEEDS = 1500, 10, 3
 # The training setting of every run: the text preset's peak learning rate, 100 warmup steps and
 # the gradients clipped to a global norm of 1 (GPT training's usual guards). Without them
@@ -107,7 +114,9 @@ SETTING = {"lr": 3e-3, "warmup_steps": 100, "grad_clip": 1.0}
 # own); the wide model is the char model with other overrides.
 TINY = dict(batch_size=16, seq_len=16, log_every=1)
 TINY_MODELS = {"char": {"gpt": {"depth": 1, "width": 32, "mlp": 64}},
-               "wide": {"gpt": {"depth": 1, "width": 64, "heads": 2, "mlp": 64}}}
+               "wide": {"gpt": {"depth": 1, "width": 64, "heads": 2, "mlp": 64}},
+               "text": {"gpt": {"depth": 1, "width": 32, "mlp": 64}},
+               "mlm": {"bert": {"depth": 1, "width": 32, "heads": 2, "mlp": 64}}}
 TINY_ARMS, TINY_SEEDS = ("bf16", "fp32"), {"char": 1, "wide": 0}
 
 
@@ -115,9 +124,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma-separated arms (default: all of {', '.join(ARMS)}); the "
                              f"twin {TWIN} and the arms the goals compare with always run")
-    parser.add_argument("--models", default="char,wide", help="comma-separated: char,wide")
+    parser.add_argument("--models", default="char,wide",
+                        help="comma-separated: char,wide (the protocol's setting), text,mlm "
+                             "(the CLI's presets, each in its own setting)")
     parser.add_argument("--seeds", type=int, default=SEEDS,
-                        help=f"seeds 0 .. n-1 of the char model (default {SEEDS})")
+                        help=f"seeds 0 .. n-1 of the char model and the presets "
+                             f"(default {SEEDS})")
     parser.add_argument("--wide-seeds", type=int, default=WIDE_SEEDS,
                         help=f"seeds of the wide model (default {WIDE_SEEDS})")
     parser.add_argument("--steps", type=int, default=STEPS,
@@ -155,12 +167,21 @@ def interval(gaps: list[float]) -> tuple[float, float | None, float | None]:
     return mean, mean - half, mean + half
 
 
+def preset_setting(model: str) -> tuple[int, dict]:
+    """``(steps, setting)`` of a preset model: the CLI's preset as it ships."""
+    from train.configs import get_config
+    preset = get_config(model)
+    return preset.steps, {k: getattr(preset, k) for k in SETTING}
+
+
 def _config(model: str, arm: str, seed: int, steps: int, tiny: bool,
             setting: dict | None = None):
     from train.configs import get_config
-    models = TINY_MODELS if tiny else MODELS
-    return get_config("text", **ARMS[arm], **(setting or SETTING), seed=seed, steps=steps,
-                      eval_batches=0,
+    models = TINY_MODELS if tiny else {**MODELS, **dict.fromkeys(PRESET_MODELS, {})}
+    preset = model if model in PRESET_MODELS else "text"
+    eval_batches = MLM_EVAL_BATCHES if model == "mlm" else 0
+    return get_config(preset, **ARMS[arm], **(setting or SETTING), seed=seed, steps=steps,
+                      eval_batches=eval_batches,
                       progress=False, checkpoint_every=10**9, model_overrides=models[model],
                       **(TINY if tiny else {}))
 
@@ -319,31 +340,47 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _describe(model: str, steps: int, setting: dict) -> str:
+    what = {"char": "the text preset's 2 x 64 GPT", "wide": "the GPT at width 256",
+            "text": "the text preset as it ships", "mlm": "the mlm preset as it ships"}[model]
+    clip = setting["grad_clip"]
+    return (f"{what}, {steps} adamw steps, peak lr {setting['lr']:g}, "
+            f"{setting['warmup_steps']} warmup steps, "
+            + (f"gradients clipped to norm {clip:g}" if clip else "no clipping"))
+
+
 def run(args) -> list[dict]:
     tiny = args.tiny
     models = [m for m in args.models.split(",") if m]
-    unknown = sorted(set(models) - set(MODELS))
+    unknown = sorted(set(models) - set(MODELS) - set(PRESET_MODELS))
     if unknown:
-        raise ValueError(f"unknown model(s) {', '.join(unknown)}; expected char and/or wide")
+        raise ValueError(f"unknown model(s) {', '.join(unknown)}; expected some of "
+                         f"{', '.join((*MODELS, *PRESET_MODELS))}")
     arms = arms_to_run(list(TINY_ARMS) if tiny else [a for a in args.arms.split(",") if a])
-    seeds = TINY_SEEDS if tiny else {"char": args.seeds, "wide": args.wide_seeds}
-    steps = 4 if tiny else args.steps
-    # Seed by seed, so that an interrupted protocol has paired runs of every arm.
-    plan = [(m, a, s) for m in models for s in range(seeds[m]) for a in arms]
+    seeds = ({**TINY_SEEDS, **dict.fromkeys(PRESET_MODELS, 1)} if tiny else
+             {"char": args.seeds, "wide": args.wide_seeds,
+              **dict.fromkeys(PRESET_MODELS, args.seeds)})
     os.makedirs(args.out, exist_ok=True)
     setting = {"lr": args.lr, "warmup_steps": args.warmup_steps, "grad_clip": args.grad_clip}
-    rows = run_protocol(plan, steps, tiny, os.path.join(args.out, "numerics_runs.jsonl"),
-                        setting)
+    rows, settings = [], {}
+    for model in models:
+        steps, model_setting = ((args.steps, setting) if model in MODELS else
+                                preset_setting(model))
+        steps = 4 if tiny else steps
+        settings[model] = (steps, model_setting)
+        # Seed by seed, so that an interrupted protocol has paired runs of every arm.
+        plan = [(model, a, s) for s in range(seeds[model]) for a in arms]
+        rows += run_protocol(plan, steps, tiny, os.path.join(args.out, "numerics_runs.jsonl"),
+                             model_setting)
     found = summarize(rows)
     plot(rows, os.path.join(args.out, "numerics.png"))
     harness.write_outputs(
         "numerics", found,
         ["model", "arm", "vs", "seeds", "eval_loss", "gap", "ci_low", "ci_high", "goal",
          "holds"], args.out, None,
-        f"{harness.machine()}; the text preset (char: 2 x 64 GPT; wide: width 256), {steps} "
-        f"adamw steps, peak lr {args.lr:g}, {args.warmup_steps} warmup steps, "
-        f"{f'gradients clipped to norm {args.grad_clip:g}' if args.grad_clip else 'no clipping'}"
-        "; eval on the whole held-out split; gap: eval loss over the `vs` arm's with "
-        "the same seed, minus 1, mean over seeds; ci: its 95% Student-t interval; a goal holds "
-        "when ci_high <= goal.")
+        f"{harness.machine()}; " + "; ".join(
+            f"{m}: {_describe(m, *settings[m])}" for m in models)
+        + "; eval on the whole held-out split (mlm: 23 batches, masks drawn with the seed); "
+        "gap: eval loss over the `vs` arm's with the same seed, minus 1, mean over seeds; ci: "
+        "its 95% Student-t interval; a goal holds when ci_high <= goal.")
     return found

@@ -317,6 +317,62 @@ def test_a_debug_print_does_not_change_what_is_recomputed(capfd):
     assert capfd.readouterr().out.count("h[0, 0] =") == 2
 
 
+def _rope_layers(w, x, positions, names=True, read_by_exp=False):
+    """MaxText's attention in small, a scan of remat'd layers: RoPE's table, of the batch's
+    positions, cast to the query's dtype (fp32 in the trace autocast reads), the rotated query
+    and key named for the layers' remat policy."""
+    def layer(x, w):
+        q, k = x @ w["q"], x @ w["k"]
+        angle = positions[:, :, None] / 10.0 ** jnp.arange(8)
+        cos = jnp.cos(jnp.tile(angle, 4)).astype(q.dtype)
+        q, k = q * cos, k * cos
+        if names:
+            q, k = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj")
+        scores = jnp.einsum("bqd,bkd->bqk", q, k) / 8.0
+        if read_by_exp:
+            scores = scores + jnp.mean(jnp.exp(-(q ** 2)), axis=-1, keepdims=True)
+        return x + jax.nn.softmax(scores) @ (x @ w["v"]), None
+    policy = jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj")
+    return jnp.sum(lax.scan(jax.checkpoint(layer, policy=policy), x, w)[0] ** 2)
+
+
+def _residuals_by_dtype(fn, *args):
+    """The bytes of the 4-d residuals (the layers' stacked ones), by dtype."""
+    residuals = jax.vjp(fn, *args)[1]
+    out: dict[str, int] = {}
+    for x in jax.tree.leaves(residuals):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.ndim == 4:
+            out[str(x.dtype)] = out.get(str(x.dtype), 0) + x.size * x.dtype.itemsize
+    return out
+
+
+def test_a_value_fp32_only_in_the_trace_is_saved_in_the_compute_dtype():
+    """MaxText's RoPE casts its table to the query's dtype: fp32 in the trace autocast reads,
+    so the rotated query and key its remat policy names were saved in fp32 (1.6 GB of an H200
+    step's 10 GB). Read only by matmuls, which round them to bf16, the name goes on the
+    rounded value: the same gradients, the saved query and key in bf16. A named value that
+    another op reads in fp32 is saved as it is."""
+    k = jax.random.split(jax.random.key(11), 4)
+    w = {n: (jax.random.normal(kk, (3, 32, 32)) / 6).astype(BF16)
+         for n, kk in zip("qkv", k[:3], strict=True)}
+    x = jax.random.normal(k[3], (2, 16, 32))
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    grad = jax.jit(jax.grad(jaxamp.autocast(_rope_layers)))
+    unnamed = jax.jit(jax.grad(jaxamp.autocast(
+        lambda w, x, p: _rope_layers(w, x, p, names=False))))
+    for a, b in zip(jax.tree.leaves(grad(w, x, positions)),
+                    jax.tree.leaves(unnamed(w, x, positions)), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=0)
+    size = 3 * 2 * 16 * 32  # a layer input, query or key of the three layers
+    saved = _residuals_by_dtype(jaxamp.autocast(_rope_layers), w, x, positions)
+    assert saved == {"float32": size * 4, "bfloat16": 2 * size * 2}, saved  # x; q and k
+    fp32_read = _residuals_by_dtype(
+        jaxamp.autocast(lambda w, x, p: _rope_layers(w, x, p, read_by_exp=True)),
+        w, x, positions)
+    assert fp32_read == {"float32": 2 * size * 4, "bfloat16": size * 2}, fp32_read  # x, q; k
+
+
 def test_the_batch_reaches_an_autocast_loss_as_given():
     """Fourier features ``sin(2^k x)`` of fp32 positions: the step cast the positions to bf16
     before autocast saw them (a first-step gradient 0.41 off fp32's); as PyTorch's autocast,

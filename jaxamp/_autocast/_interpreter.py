@@ -12,14 +12,18 @@ import jax.numpy as jnp
 from jax.extend import source_info_util
 
 from jaxamp._attention import find_calls as attention_calls
+from jaxamp._autocast._casts import _cast
+from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._context import _Context
 from jaxamp._autocast._fused import _fused_attention
 from jaxamp._autocast._recompute import _VIEWS
 from jaxamp._autocast._regions import _feeds_only_matmuls
 from jaxamp._autocast._regions import _is_seed
 from jaxamp._autocast._regions import _run_region
+from jaxamp._autocast._rules import _Compute
 from jaxamp._autocast._rules import rule_for
 from jaxamp._jaxpr import HIGHER_ORDER
+from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
@@ -56,6 +60,11 @@ class _Autocasting(Interpreter):
 
     def take(self, i: int, eqn: Any, env: dict, read: Callable, outer: str) -> set[int] | None:
         ctx = self.ctx
+        if self.level is not None and eqn.primitive.name == "name":
+            named = _named_in_compute_dtype(ctx, self.level, eqn, read, outer)
+            if named is not None:
+                env[eqn.outvars[0]] = named
+                return {i}
         call = self.calls.get(i)
         if call is not None:
             for k in call.before:  # what the call reads, made inside its stretch
@@ -77,6 +86,48 @@ class _Autocasting(Interpreter):
         _run_region(ctx, self.level, i, env, read, done, outer, self.constant, _run_equation,
                     _body)
         return done | {i}
+
+
+_PASSES_ON = (*_VIEWS, "sharding_constraint")
+
+
+def _named_in_compute_dtype(ctx: _Context, level: Level, eqn: Any, read: Callable,
+                            outer: str) -> Any:
+    """A model's ``checkpoint_name`` of an fp32 value that every reader casts to the compute
+    dtype (through views, into matmuls run in it) names that cast instead, or ``None``.
+
+    The value is fp32 only because autocast traces the model in fp32: MaxText's RoPE casts its
+    sin and cos to the query's dtype, bf16 in its own mixed precision and fp32 here, so the
+    rotated query and key it names for its remat policy (``query_proj``, ``key_proj``) come out
+    of a bf16 projection times an fp32 table. The matmuls round them to bf16 anyway; the name
+    on the rounded value is the same computation, and what the policy saves for the backward
+    pass is half the bytes."""
+    x = read(eqn.invars[0])
+    if (len(eqn.invars) != 1 or not is_floating_array(x) or ctx.compute == jnp.float32
+            or jnp.dtype(x.dtype) != jnp.float32):
+        return None
+    frontier, readers = [eqn.outvars[0]], []
+    while frontier:
+        v = frontier.pop()
+        if v in level.outvars:
+            return None  # the caller may read it in fp32
+        for j in level.consumers.get(v, ()):
+            user = level.eqns[j]
+            if user.primitive.name in _PASSES_ON:
+                frontier.extend(user.outvars)
+            elif user.primitive.name in MATMULS:
+                readers.append(user)
+            else:
+                return None
+    if not readers or any(type(rule_for(ctx, u, nested_stack(u, outer))) is not _Compute
+                          for u in readers):
+        return None
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        half = _cast(_downcast_source(ctx, x), ctx.compute)
+        outs = ctx.call.memory.outputs(ctx, eqn, [half], [eqn.primitive.bind(half, **eqn.params)])
+        ctx.call.memory.computed(ctx, eqn, [half], outs, outer, [False])
+    return outs[0]
 
 
 def _constants(jaxpr: Any, const_args: Sequence[bool] | None) -> set:

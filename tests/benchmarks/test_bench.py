@@ -334,6 +334,27 @@ def test_compile_time_suite_times_both_steps_interleaved(tiny_runs):
     assert rows[0]["vs_plain"] == 1.0 and rows[1]["vs_bf16_layers"] == 1.0
 
 
+def test_maxtext_suite_runs_or_says_it_skipped(tiny_runs):
+    """Without maxtext (every environment but .venv-maxtext) the suite says it skipped; with it,
+    each policy has every arm, the same model matmul FLOPs, autocast in bf16 throughout,
+    and the loss of the anchor within a percent."""
+    from benchmarks import maxtext
+    rows = read_jsonl(tiny_runs[0] / "maxtext.jsonl")
+    if importlib.util.find_spec("maxtext") is None:
+        assert rows == [{"suite": "maxtext", "skipped": "maxtext is not installed"}]
+        return
+    assert [(r["policy"], r["arm"]) for r in rows] == [
+        (p, a) for p in maxtext.POLICIES for a in maxtext.ARMS]
+    for r in rows:
+        assert r["model_flops_vs_anchor"] == 1.0 and abs(r["loss_vs_anchor"]) < 1e-2
+        if r["arm"].startswith("jaxamp_autocast"):
+            assert r["bf16_share"] == 1.0 and r["half_sensitive_ops"] == []
+        if r["arm"] == "jaxamp_autocast":
+            assert r["compile_vs_anchor"] > 0 and len(r["compile_ratios"]) == 2
+        if r.get("gpu_gb") is not None:
+            assert r["gemms"] > 0 and r["gpu_temp_gb"] > 0
+
+
 def test_only_the_compiler_options_the_running_jax_accepts_are_passed():
     assert harness.supported_compiler_options(
         xla_backend_optimization_level=0, xla_no_such_option_anywhere=True) == {
@@ -360,6 +381,23 @@ def test_numerics_suite_evaluates_each_arm_on_the_whole_split(numerics_tiny):
                                                               / runs[0]["eval_loss"] - 1)
     assert null["ci_high"] is None and null["holds"] is None  # one seed: no interval
     assert (out / "numerics.png").stat().st_size > 10_000
+
+
+def test_the_numerics_presets_train_in_their_own_setting(tmp_path):
+    """``--models text,mlm``: the CLI's presets as they ship, each with its own learning rate,
+    warmup and clipping recorded in its rows (not the protocol's setting), paired by seed."""
+    from benchmarks import numerics
+    main(["numerics", "--tiny", "--models", "text,mlm", "--out", str(tmp_path)])
+    runs = read_jsonl(tmp_path / "numerics_runs.jsonl")
+    assert [(r["model"], r["arm"]) for r in runs] == [
+        ("text", "bf16"), ("text", "fp32"), ("mlm", "bf16"), ("mlm", "fp32")]
+    settings = {r["model"]: r["setting"] for r in runs}
+    assert settings == {"text": {"lr": 3e-3, "warmup_steps": 20, "grad_clip": 0.0},
+                        "mlm": {"lr": 1e-3, "warmup_steps": 20, "grad_clip": 0.0}}
+    assert numerics.preset_setting("text") == (500, settings["text"])
+    for model in ("text", "mlm"):
+        bf16, fp32 = (r["eval_loss"] for r in runs if r["model"] == model)
+        assert abs(fp32 / bf16 - 1) < 1e-3  # the same init and batches
 
 
 def _numerics_rows(losses: dict[str, list[float]], model: str = "char") -> list[dict]:
