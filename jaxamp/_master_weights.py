@@ -71,7 +71,6 @@ from jaxamp._storage import is_absent
 from jaxamp._tree import INT32_MAX
 from jaxamp._tree import find_with_path
 from jaxamp._tree import parents_along
-from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import tree_path_str
 from jaxamp.gradients import GradStats
@@ -470,9 +469,9 @@ def _storage_for(state: MixedPrecisionState, policy: Policy, params: Any, option
     return storage
 
 
-def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: bool | None,
-            skip: str, master_option: str, moments: Moments | None, updates,
-            state: MixedPrecisionState, params=None, **extra_args):
+def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_option: str,
+            moments: Moments | None, updates, state: MixedPrecisionState, params=None,
+            **extra_args):
     if params is None:
         raise ValueError("mixed_precision.update needs params (the working params) to "
                          "compute updates; call tx.update(grads, state, params)")
@@ -483,8 +482,6 @@ def _update(inner, policy: Policy, stall_after: int | None, pin_grad_layout: boo
     storage = _storage_for(state, policy, params, master_option, moments)
     _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
                           storage.work_dtypes, policy)
-    if pin_grad_layout:  # deprecated here: make_train_step(pin_grad_layout=...)
-        updates = row_major_grads(updates)
     # One reduction over the still-scaled grads gives the finite check, the norm and the count
     # of non-finite leaves. It reads each gradient once, in its own dtype.
     stats = grad_stats(updates, state.loss_scale.loss_scale)
@@ -612,7 +609,6 @@ def mixed_precision(
     *,
     loss_scale: LossScale | None = None,
     stall_after: int | None = 10,
-    pin_grad_layout: bool | None = None,
     skip: str = "auto",
     master: str = "float32",
     moments_dtype: DTypeLike | str | Mapping[str, DTypeLike | str] | None = None,
@@ -635,10 +631,6 @@ def mixed_precision(
         way; ``stalled`` tells a training loop that loss scaling cannot fix the overflow (a
         nan in the data, a diverged model) and that it should stop. A fixed scale (static or
         none) is always at its minimum; a dynamic one once it has backed off to ``min_scale``.
-      pin_grad_layout: deprecated: pass it to :func:`jaxamp.make_train_step`, which pins the
-        gradients' layout (by default on a single XLA:CPU device). ``True`` here still pins
-        traced gradients of rank >= 2 to row-major before the finite check, with a
-        ``DeprecationWarning``; it will be removed in the next release.
       skip: how a non-finite step is skipped. ``"cond"``: a ``lax.cond`` around the optimizer,
         which does not run on a skipped step and lets XLA update donated buffers in place;
         ``"select"``: the optimizer runs on every step and ``jnp.where`` keeps each leaf's
@@ -723,11 +715,6 @@ def mixed_precision(
     inner = _as_transformation(inner)
     _check_arguments(inner, loss_scale, stall_after, skip)
     moments = _check_storage(master, moments_dtype, seed)
-    if pin_grad_layout is not None:
-        warnings.warn("mixed_precision(..., pin_grad_layout=...) is deprecated and will be "
-                      "removed in the next release; pass it to jaxamp.make_train_step("
-                      "loss_fn, pin_grad_layout=...), which pins the gradients before the "
-                      "update", DeprecationWarning, stacklevel=2)
     inner = optax.with_extra_args_support(inner)
     if moments is not None:
         inner = stored_moments(inner, moments)
@@ -738,7 +725,7 @@ def mixed_precision(
     init = cast(optax.TransformInitFn, functools.partial(
         _init, inner, policy, loss_scale, master, moments, seed))
     update = cast(optax.TransformUpdateExtraArgsFn, functools.partial(
-        _update, inner, policy, stall_after, pin_grad_layout, skip, master, moments))
+        _update, inner, policy, stall_after, skip, master, moments))
     return optax.GradientTransformationExtraArgs(init, update)
 
 

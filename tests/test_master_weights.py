@@ -795,17 +795,11 @@ def _mlp_steps(pin: bool):
     return compiled, trajectory
 
 
-def test_deprecated_layout_pin_of_the_transform_warns_and_still_pins():
-    with pytest.warns(DeprecationWarning, match="make_train_step"):
-        tx = jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16", pin_grad_layout=True)
-    master = {"w": jnp.ones((3, 4))}
-    params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(master)
-    def constraints(tx):
-        update = jax.jit(lambda g, s, p: tx.update(g, s, p))
-        return update.lower(params, tx.init(master), params).as_text().count(
-            "custom_call @LayoutConstraint")
-    assert constraints(tx) == 1
-    assert constraints(jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16")) == 0
+def test_the_layout_pin_is_the_steps_alone():
+    """The pin lives in ``make_train_step(pin_grad_layout=...)``; the transform has no keyword
+    for it (no deprecated alias before the first release)."""
+    with pytest.raises(TypeError, match="pin_grad_layout"):
+        jaxamp.mixed_precision(optax.sgd(0.5), "mixed_bfloat16", pin_grad_layout=True)
 
 
 def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
