@@ -97,7 +97,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_suite = {name: _suite_args(ap, suites, name, args) for name in names}
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-    return {name: suite_module(name).run(per_suite[name]) for name in names}
+    return {name: _runner(name, per_suite[name]).run(per_suite[name]) for name in names}
+
+
+def _runner(name: str, args: argparse.Namespace) -> ModuleType:
+    """The module that runs suite ``name`` with ``args``: ``gpu --deviceless`` compiles for a
+    GPU on this machine (``gpu_deviceless``, which builds on ``gpu``'s models)."""
+    if name == "gpu" and getattr(args, "deviceless", None):
+        return importlib.import_module("benchmarks.gpu_deviceless")
+    return suite_module(name)
 
 
 if __name__ == "__main__":

@@ -1007,8 +1007,8 @@ def run(args) -> list[dict]:
     out = args.out
     os.makedirs(out, exist_ok=True)
     if getattr(args, "deviceless", None):
-        from benchmarks import gpu_deviceless
-        return gpu_deviceless.run(args)
+        raise ValueError("gpu --deviceless runs in benchmarks.gpu_deviceless "
+                         "(python -m benchmarks gpu --deviceless TARGET)")
     if args.render_only:
         return render(out)
     dev = _first_device()
