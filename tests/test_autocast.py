@@ -1886,6 +1886,9 @@ PAGE_CLAIMS = {
         AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32[checkpoint]",),
     "a scanned, remat'd stack its stacked carries in bf16": (
         AC + "test_a_models_own_remat_is_kept_and_autocast_saves_less_than_fp32[scan]",),
+    "**A value fp32 only in the trace is saved in the compute dtype.**": (
+        "tests/test_autocast_programs.py::"
+        "test_a_value_fp32_only_in_the_trace_is_saved_in_the_compute_dtype",),
     "**A scan is recomputed one step at a time.**": (
         AC + "test_a_scan_is_recomputed_step_by_step_in_the_backward_pass",
         GPU + "test_memory_goal_of_a_scanned_transformer_under_autocast"),
