@@ -55,12 +55,13 @@ def test_all_runs_every_suite_with_its_own_defaults(capsys):
         ns = _suite_args(ap, suites, name, args)
         assert ns.suite == name and ns.via_all and ns.tiny and ns.out == "x" and ns.rounds == 2
     assert _suite_args(ap, suites, "gpu", args).steps == 20  # gpu's own default
-    # Every module of the package but the harness and the gpu suite's deviceless mode is a
-    # suite, named in SUITES.
+    # Every module of the package but the harness, the gpu suite's deviceless mode and the
+    # study of stochastic rounding along a run (run by hand, its figure in BENCHMARKS.md) is
+    # a suite, named in SUITES.
     assert set(SUITES.values()) == {
         p.removesuffix(".py") for p in os.listdir(os.path.join(ROOT, "benchmarks"))
         if p.endswith(".py") and p not in ("__init__.py", "__main__.py", "harness.py",
-                                           "gpu_deviceless.py")}
+                                           "gpu_deviceless.py", "stochastic_follow.py")}
 
 
 def test_overhead_suite_writes_every_field(tiny_runs):
