@@ -123,29 +123,23 @@ def _layer(eqn: Any, outer: str) -> str:
     return scope(eqn, outer).removesuffix(" [backward]") or where(eqn)
 
 
-def _objective_and_micro_batches(step: Any, flags: dict[str, bool]) -> tuple[Objective, int]:
-    """The objective a step trains and its micro-batches per step; a loss function with the
-    flags builds one (one micro-batch)."""
+def _objective_and_micro_batches(step: Any) -> tuple[Objective, int]:
+    """The objective a step trains and its micro-batches per step; an :class:`Objective` or a
+    loss function (called as ``loss_fn(params, batch)``) is one micro-batch."""
     unwrapped = inspect.unwrap(step)  # jax.jit and jax.pmap keep the step as __wrapped__
     if isinstance(unwrapped, TrainStep):
-        given = [k for k, v in flags.items() if v]
-        if given:
-            raise TypeError(f"{', '.join(f'{k}=True' for k in given)} is for a loss function; "
-                            "the step already holds its objective (step.objective)")
         return unwrapped.objective, unwrapped.accum_steps
-    return objective_of(step, flags), 1
+    return objective_of(step, {}), 1
 
 
-def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = False,
-                     has_model_state: bool = False, has_rng: bool = False,
-                     autocast: bool = False) -> OverflowReport:
+def explain_overflow(state: Any, batch: Any, step: Callable) -> OverflowReport:
     """Re-runs one step eagerly and reports where inf or nan first appear.
 
     ``step`` is the step from :func:`jaxamp.make_train_step` (or ``jax.jit`` of it), which
-    holds its :class:`~jaxamp.Objective`; an :class:`~jaxamp.Objective`; or a loss function
-    with the flags of :func:`jaxamp.make_train_step` (``has_aux``, ``has_model_state``,
-    ``has_rng``, ``autocast``). With a :class:`jaxamp.TrainState` and one (unsharded) batch it
-    evaluates the program the step runs, equation by equation: the loss under
+    holds its :class:`~jaxamp.Objective`; an :class:`~jaxamp.Objective`, which says how the
+    loss is called (``jaxamp.Objective(loss_fn, has_aux=True, autocast=True)``); or a loss
+    function called as ``loss_fn(params, batch)``. With a :class:`jaxamp.TrainState` and one
+    (unsharded) batch it evaluates the program the step runs, equation by equation: the loss under
     :func:`jaxamp.autocast` with the state's policy when the objective asks for it (its fp32
     regions and recomputation included, so an op that the rules keep in fp32 is not reported as
     an fp16 overflow), the FP8 metadata handed as the step hands it, and with ``accum_steps``
@@ -169,9 +163,7 @@ def explain_overflow(state: Any, batch: Any, step: Callable, *, has_aux: bool = 
     >>> report.first_forward.layer, report.first_forward.primitive
     ('layer2', 'exp')
     """
-    objective, k = _objective_and_micro_batches(step, {
-        "has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng,
-        "autocast": autocast})
+    objective, k = _objective_and_micro_batches(step)
     policy, scale, rng = state.policy, state.loss_scale, step_rng(objective, state)
     batch = objective.batch_under(policy, batch)
     micro_batches = [batch] if k == 1 else [

@@ -236,7 +236,8 @@ def test_explain_overflow_with_autocast_reports_the_program_that_trained():
     step = jax.jit(jaxamp.make_train_step(norm_then_overflow_loss, autocast=True))
     _, m = step(state, X)
     assert not bool(m["grads_finite"])  # the autocast step overflows: in proj
-    report = jaxamp.explain_overflow(state, X, norm_then_overflow_loss, autocast=True)
+    report = jaxamp.explain_overflow(
+        state, X, jaxamp.Objective(norm_then_overflow_loss, autocast=True))
     first = report.first_forward
     assert (first.layer, first.primitive, first.dtype) == ("proj", "dot_general", "float16")
     assert all(e.layer != "norm" for e in report.events)
@@ -300,16 +301,17 @@ def test_explain_overflow_with_model_state_and_aux():
         return loss, new_state, {"loss": loss}
 
     state = fp16_state(constant_params(w1=3e4), model_state={"count": jnp.zeros((), F32)})
-    report = jaxamp.explain_overflow(state, X, loss_fn, has_aux=True, has_model_state=True)
+    report = jaxamp.explain_overflow(
+        state, X, jaxamp.Objective(loss_fn, has_aux=True, has_model_state=True))
     assert (report.first_forward.layer, report.first_forward.primitive) == (
         "layer1", "dot_general")
     # The same with has_aux only, and with has_model_state only.
-    report = jaxamp.explain_overflow(fp16_state(constant_params(w1=3e4)), X,
-                                     lambda p, b: (scoped_loss(p, b), {"n": 1.0}), has_aux=True)
-    assert report.first_forward.layer == "layer1"
     report = jaxamp.explain_overflow(
-        state, X, lambda p, b, model_state: (scoped_loss(p, b), model_state),
-        has_model_state=True)
+        fp16_state(constant_params(w1=3e4)), X,
+        jaxamp.Objective(lambda p, b: (scoped_loss(p, b), {"n": 1.0}), has_aux=True))
+    assert report.first_forward.layer == "layer1"
+    report = jaxamp.explain_overflow(state, X, jaxamp.Objective(
+        lambda p, b, model_state: (scoped_loss(p, b), model_state), has_model_state=True))
     assert report.first_forward.layer == "layer1"
 
 
@@ -319,7 +321,7 @@ def test_explain_overflow_with_rng():
         return scoped_loss(params, {"x": jnp.where(keep, batch["x"], 0)})
 
     state = fp16_state(constant_params(w1=3e4), rng=jax.random.key(0))
-    report = jaxamp.explain_overflow(state, X, loss_fn, has_rng=True)
+    report = jaxamp.explain_overflow(state, X, jaxamp.Objective(loss_fn, has_rng=True))
     assert report.first_forward.layer == "layer1"
 
 
@@ -335,7 +337,8 @@ def test_explain_overflow_agrees_with_the_step():
 
 def test_explain_overflow_takes_the_step_and_runs_what_it_trains():
     """The step holds its objective: ``explain_overflow(state, batch, step)`` runs autocast as
-    the step did, for the step and for ``jax.jit`` of it; flags beside a step are an error."""
+    the step did, for the step and for ``jax.jit`` of it; the loss's flags are the
+    objective's alone."""
     params = {"embed": jnp.full((4, 64), 75.0, F32), "proj": jnp.full((64, 8), 2e3, F32)}
     state = fp16_state(params)
     step = jaxamp.make_train_step(jaxamp.Objective(norm_then_overflow_loss, autocast=True))
@@ -343,8 +346,8 @@ def test_explain_overflow_takes_the_step_and_runs_what_it_trains():
     for traced in (step, jax.jit(step)):
         first = jaxamp.explain_overflow(state, X, traced).first_forward
         assert (first.layer, first.primitive, first.dtype) == ("proj", "dot_general", "float16")
-    with pytest.raises(TypeError, match="the step already holds its objective"):
-        jaxamp.explain_overflow(state, X, step, autocast=True)
+    with pytest.raises(TypeError, match="autocast"):
+        jaxamp.explain_overflow(state, X, step, autocast=True)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="has_aux=True is the objective's"):
         jaxamp.make_train_step(step.objective, has_aux=True)
 
