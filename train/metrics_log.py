@@ -7,6 +7,7 @@ Only process 0 writes; the others get a disabled logger and no bar.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import time
 from typing import Any
@@ -83,8 +84,11 @@ class MetricsLogger:
         self._writer.writerow({"step": step, **row})
         self._file.flush()
         if self._tb is not None:
+            # A skipped step's inf or nan loss stays in the CSV; TensorBoard gets the finite
+            # values only (tensorboardX warns on every non-finite scalar).
             for k, v in row.items():
-                self._tb.add_scalar(k, v, step)
+                if math.isfinite(float(v)):
+                    self._tb.add_scalar(k, v, step)
 
     def close(self):
         if self._file is not None:

@@ -210,3 +210,17 @@ def test_the_cli_page_names_every_flag_of_help_and_its_defaults():
         if stated and action.option_strings[0] in on_page:
             (row,) = [r for r in rows if f"`{action.option_strings[0]}" in r.split(" | ")[0]]
             assert f"default {stated.group(1)}" in row, (action.option_strings[0], row)
+
+
+def test_a_skipped_steps_non_finite_loss_stays_in_the_csv_and_out_of_tensorboard(tmp_path, caplog):
+    """An fp16 run's skipped step logs an inf loss: the CSV keeps it, TensorBoard gets the
+    finite values of the row (tensorboardX warned 'NaN or Inf found' at each one)."""
+    from train import metrics_log
+    logger = metrics_log.MetricsLogger(str(tmp_path), enabled=True)
+    with caplog.at_level(logging.WARNING):
+        logger.write(1, {"loss": float("inf"), "loss_scale": 65536.0})
+        logger.write(2, {"loss": 2.5, "loss_scale": 32768.0})
+    logger.close()
+    assert not [r for r in caplog.records if "NaN or Inf" in r.getMessage()]
+    with open(tmp_path / "metrics.csv") as f:
+        assert f.read().splitlines()[1:] == ["1,inf,65536.0", "2,2.5,32768.0"]
