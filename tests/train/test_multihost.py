@@ -146,13 +146,19 @@ def test_a_child_started_dying_with_its_parent_goes_when_the_parent_is_stopped(s
     tag = f"jaxamp-child-{os.getpid()}-{sig}"
     parent = subprocess.Popen(
         [sys.executable, "-c",
-         "import subprocess, sys, time; sys.path.insert(0, 'tests'); "
+         # SIGINT as an interactive shell leaves it: a job started in the background of a
+         # script inherits it ignored.
+         "import signal, subprocess, sys, time; sys.path.insert(0, 'tests'); "
+         "signal.signal(signal.SIGINT, signal.default_int_handler); "
          "from processes import dying_with_its_parent; "
          "subprocess.Popen(dying_with_its_parent(['sleep', '60'])); "
          "print('started', flush=True); time.sleep(60)"],
         cwd=ROOT, env={**os.environ, "JAXAMP_CLEANUP_TAG": tag}, stdout=subprocess.PIPE)
     try:
         assert parent.stdout.readline().strip() == b"started"
+        deadline = time.monotonic() + 30  # the child's wrapper starts, then execs sleep
+        while len(_tagged(tag)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert len(_tagged(tag)) == 2
         parent.send_signal(getattr(signal, sig))
         parent.wait(timeout=30)
