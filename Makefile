@@ -120,13 +120,20 @@ STAMP_GPU := $(VENV_GPU)/.installed-$(shell cat pyproject.toml | cksum | cut -d'
 GPU_MEMORY_TESTS := jaxamp/memory.py tests/gpu_memory
 GPU_MEMORY_OUT ?= runs/gpu-memory
 
-$(STAMP_GPU): pyproject.toml
-	@test -n "$(PYTHON_NEWEST)" || { echo "make install-gpu-memory: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
-	rm -rf $(VENV_GPU)
-	$(PYTHON_NEWEST) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/python $(PIP_INSTALL) --upgrade pip
-	$(VENV_GPU)/bin/python $(PIP_INSTALL) -e '.[dev,train,gpu-memory]' \
+# A Python 3.12 venv ($(1)) with the GPU machine's jax (0.11.2, and its CUDA 13 plugin for
+# XLA:GPU's compiler), flax and optax, and jaxamp's dev, train and gpu-memory extras; $(2) is
+# the make target that builds it, for the error without python3.12.
+define GPU_VENV
+	@test -n "$(PYTHON_NEWEST)" || { echo "make $(2): no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
+	rm -rf $(1)
+	$(PYTHON_NEWEST) -m venv $(1)
+	$(1)/bin/python $(PIP_INSTALL) --upgrade pip
+	$(1)/bin/python $(PIP_INSTALL) -e '.[dev,train,gpu-memory]' \
 		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
+endef
+
+$(STAMP_GPU): pyproject.toml
+	$(call GPU_VENV,$(VENV_GPU),install-gpu-memory)
 	$(VENV_GPU)/bin/python -c "import jax, jaxlib, flax; print('gpu-memory:', 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_GPU)
 
@@ -171,12 +178,7 @@ STAMP_MAXTEXT := $(VENV_MAXTEXT)/.installed-$(shell { cat pyproject.toml; echo '
 .PHONY: install-maxtext maxtext
 
 $(STAMP_MAXTEXT): pyproject.toml
-	@test -n "$(PYTHON_NEWEST)" || { echo "make install-maxtext: no python3.12 found; set PYTHON_NEWEST" >&2; exit 2; }
-	rm -rf $(VENV_MAXTEXT)
-	$(PYTHON_NEWEST) -m venv $(VENV_MAXTEXT)
-	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) --upgrade pip
-	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) -e '.[dev,train,gpu-memory]' \
-		'jax[cuda13]==0.11.2' flax==0.12.10 optax==0.2.8 equinox
+	$(call GPU_VENV,$(VENV_MAXTEXT),install-maxtext)
 	$(VENV_MAXTEXT)/bin/python $(PIP_INSTALL) --no-deps $(MAXTEXT_PACKAGES)
 	$(VENV_MAXTEXT)/bin/python -c "import jax, flax, maxtext; from maxtext.configs import pyconfig; from maxtext.utils import model_creation_utils; print('maxtext:', maxtext.__version__, 'jax', jax.__version__, 'flax', flax.__version__)"
 	touch $(STAMP_MAXTEXT)

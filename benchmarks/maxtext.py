@@ -6,7 +6,7 @@ precision, for each of MaxText's remat policies.
         [--policies full,minimal] [--parts cpu,gpu] [--gpu h200|none] [--gpu-layers 16]
 
 The model is MaxText's (``maxtext==0.2.5``, installed without its dependencies; ``make
-install-maxtext`` adds the 41 packages its config and model code import, no others): its
+install-maxtext`` adds the 42 packages its config and model code import, no others): its
 ``pyconfig`` on ``base.yml``, the
 llama2 decoder block, scanned layers, MaxText's defaults otherwise (RMS norms, RoPE, SwiGLU, an
 untied output head, logits cast to fp32, MaxText's cross-entropy), built by its factory
