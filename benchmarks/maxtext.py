@@ -22,7 +22,9 @@ Three arms train from the same init on the same batches of random tokens (four b
   optax.adam(lr), "mixed_bfloat16"))``: bf16 working params and an fp32 master, 14 bytes a
   param with Adam's moments where MaxText's state holds 12 (fp32 params, no working copy);
 - ``jaxamp_autocast_kahan``: the same with ``master="kahan"``: the fp32 value kept as the bf16
-  param and a bf16 compensation, losslessly, 12 bytes a param as MaxText's.
+  param and a bf16 compensation, losslessly, 12 bytes a param as MaxText's;
+- ``jaxamp_autocast_recompute``: ``jaxamp_autocast`` with ``autocast={"recompute": True}``:
+  autocast's recompute policy around the model's remat, where the default defers to it.
 
 Each arm runs under the remat policies MaxText names for its decoder layers (``remat_policy``):
 ``full``, ``minimal``, ``save_dot_except_mlp``, ``save_qkv_proj`` and ``minimal_offloaded``
@@ -81,7 +83,8 @@ from benchmarks import harness
 
 ROUNDS = 3  # compile-time rounds
 POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded")
-ARMS = ("fp32", "maxtext_bf16", "jaxamp_autocast", "jaxamp_autocast_kahan")
+ARMS = ("fp32", "maxtext_bf16", "jaxamp_autocast", "jaxamp_autocast_kahan",
+        "jaxamp_autocast_recompute")
 ANCHOR = "maxtext_bf16"
 TIMED = ("maxtext_bf16", "jaxamp_autocast")
 LEARNING_RATE = 1e-3
@@ -258,6 +261,12 @@ def arms(loss_fp32: Callable, loss_bf16: Callable) -> dict[str, Arm]:
             "jaxamp_autocast_kahan", loss_fp32,
             lambda: jaxamp.make_train_step(loss_fp32, autocast=True),
             lambda params: jaxamp.TrainState.create(params=params, tx=kahan_tx),
+            lambda metrics: metrics["loss"]),
+        # autocast's recompute forced on around the model's remat (the default defers to it)
+        "jaxamp_autocast_recompute": Arm(
+            "jaxamp_autocast_recompute", loss_fp32,
+            lambda: jaxamp.make_train_step(loss_fp32, autocast={"recompute": True}),
+            lambda params: jaxamp.TrainState.create(params=params, tx=mixed_tx),
             lambda metrics: metrics["loss"]),
     }
 

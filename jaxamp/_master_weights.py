@@ -41,6 +41,7 @@ refuses a state where another transform wraps it (``optax.chain`` with other mem
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Mapping
@@ -86,6 +87,7 @@ __all__ = [
     "get_master_params",
     "maybe_find_state",
     "mixed_precision",
+    "apply_updates",
     "next_working_params",
     "policy_of",
     "scale_loss",
@@ -472,6 +474,9 @@ def _storage_for(state: MixedPrecisionState, policy: Policy, params: Any, option
 def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_option: str,
             moments: Moments | None, updates, state: MixedPrecisionState, params=None,
             **extra_args):
+    """``(storage, master, targets, new state)``: the step's new values, before they are
+    turned into updates (:meth:`_MixedPrecision.update`) or into the new params
+    (:meth:`_MixedPrecision.apply`)."""
     if params is None:
         raise ValueError("mixed_precision.update needs params (the working params) to "
                          "compute updates; call tx.update(grads, state, params)")
@@ -501,8 +506,60 @@ def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_op
         functools.partial(_skip, storage),
         state.master_params, state.compensation, state.inner_state, params, updates,
         _step_key(state))
-    new_updates = storage.updates(params, master, targets)
-    return new_updates, _new_state(state, master, comp, inner_state, stats, stall_after)
+    return storage, master, targets, _new_state(state, master, comp, inner_state, stats,
+                                                stall_after)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _MixedPrecision:
+    """The transform :func:`mixed_precision` builds: its options, and the optax protocol's
+    ``init`` and ``update`` as methods (the optax object holds the two bound methods).
+    :meth:`apply` is the train step's way: the new working params themselves, not updates."""
+
+    inner: Any
+    policy: Policy
+    loss_scale: LossScale
+    stall_after: int | None
+    skip: str
+    master: str
+    moments: Moments | None
+    seed: Any
+
+    def init(self, params: Any) -> MixedPrecisionState:
+        return _init(self.inner, self.policy, self.loss_scale, self.master, self.moments,
+                     self.seed, params)
+
+    def _step(self, grads: Any, state: MixedPrecisionState, params: Any, extra_args: dict):
+        return _update(self.inner, self.policy, self.stall_after, self.skip, self.master,
+                       self.moments, grads, state, params, **extra_args)
+
+    def update(self, updates: Any, state: MixedPrecisionState, params: Any = None,
+               **extra_args) -> tuple[Any, MixedPrecisionState]:
+        storage, master, targets, new_state = self._step(updates, state, params, extra_args)
+        return storage.updates(params, master, targets), new_state
+
+    def apply(self, grads: Any, state: MixedPrecisionState, params: Any,
+              **extra_args) -> tuple[Any, MixedPrecisionState]:
+        """``(new working params, new state)``: what ``update`` and
+        :func:`next_working_params` give, taken from the step's new values directly. The old
+        params are not read after the skip's branch, so that a skipped step passes them
+        through in place (``update``'s exact differences need them, and XLA then copies every
+        param a ``lax.cond`` passes through: 2 bytes a bf16 param of ``master="kahan"``)."""
+        storage, master, targets, new_state = self._step(grads, state, params, extra_args)
+        return storage.next_params(params, master, targets), new_state
+
+
+def apply_updates(tx: Any, grads: Any, opt_state: Any, params: Any,
+                  **extra_args) -> tuple[Any, Any]:
+    """``(new working params, new optimizer state)`` of a step: ``tx``'s own
+    :meth:`_MixedPrecision.apply` where ``tx`` is :func:`mixed_precision` itself, else its
+    updates applied by :func:`next_working_params` (``mixed_precision`` inside a chain)."""
+    own = getattr(tx.update, "__self__", None)
+    if isinstance(own, _MixedPrecision):
+        return own.apply(grads, opt_state, params, **extra_args)
+    updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
+                                                                   **extra_args)
+    return next_working_params(opt_state, params, updates), opt_state
 
 
 def _rounding_key(seed: Any) -> jax.Array:
@@ -722,10 +779,10 @@ def mixed_precision(
     # which leaves no room for a pytree node such as the loss scale or the static policy, and
     # its protocols are not generic in the state's type. These two implement the protocols
     # (they take and return a pytree state), so they are cast to them.
-    init = cast(optax.TransformInitFn, functools.partial(
-        _init, inner, policy, loss_scale, master, moments, seed))
-    update = cast(optax.TransformUpdateExtraArgsFn, functools.partial(
-        _update, inner, policy, stall_after, skip, master, moments))
+    transform = _MixedPrecision(inner, policy, loss_scale, stall_after, skip, master, moments,
+                                seed)
+    init = cast(optax.TransformInitFn, transform.init)
+    update = cast(optax.TransformUpdateExtraArgsFn, transform.update)
     return optax.GradientTransformationExtraArgs(init, update)
 
 

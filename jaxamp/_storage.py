@@ -124,6 +124,12 @@ class _Own:
         del master, work_dtype
         return _working_update(target, param)
 
+    def next_param(self, param: jax.Array, master: Any, target: Any,
+                   work_dtype: Any) -> jax.Array:
+        """The new working param, from the step's new values (what :meth:`update` lands on)."""
+        del param, master, work_dtype
+        return target
+
     def holder(self, param: jax.Array, master: Any, comp: Any) -> jax.Array:
         """The array this leaf's value is updated on (where the grads are reduced to)."""
         del master, comp
@@ -162,6 +168,10 @@ class _Master(_Own):
     def update(self, param, master, target, work_dtype):
         del target
         return _working_update(master.astype(work_dtype), param)
+
+    def next_param(self, param, master, target, work_dtype):
+        del param, target
+        return master.astype(work_dtype)
 
     def holder(self, param, master, comp):
         del param, comp
@@ -235,6 +245,10 @@ class _Other(_Own):
     def update(self, param, master, target, work_dtype):
         del master, target, work_dtype
         return jnp.zeros_like(param)
+
+    def next_param(self, param, master, target, work_dtype):
+        del master, target, work_dtype
+        return param
 
     def next_working(self, param, update, master, work_dtype):
         del update, master, work_dtype
@@ -360,6 +374,15 @@ class Storage:
         n = len(self.kinds)
         return jax.tree.unflatten(jax.tree.structure(params), [
             k.update(p, m, t, d) for k, p, m, t, d in
+            zip(self.kinds, jax.tree.leaves(params), _slots(master, n), targets,
+                self.work_dtypes, strict=True)])
+
+    def next_params(self, params: Any, master: Any, targets: list) -> Any:
+        """The new working params: each leaf's target, else its master's cast, else the param
+        (a leaf the optimizer never updates)."""
+        n = len(self.kinds)
+        return jax.tree.unflatten(jax.tree.structure(params), [
+            k.next_param(p, m, t, d) for k, p, m, t, d in
             zip(self.kinds, jax.tree.leaves(params), _slots(master, n), targets,
                 self.work_dtypes, strict=True)])
 

@@ -50,10 +50,10 @@ from jaxamp._jaxpr import run_traced
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
 from jaxamp._master_weights import MixedPrecisionState
+from jaxamp._master_weights import apply_updates
 from jaxamp._master_weights import find_state
 from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import maybe_find_state
-from jaxamp._master_weights import next_working_params
 from jaxamp._master_weights import skip_or_apply
 from jaxamp._master_weights import storage_of
 from jaxamp._objective import Objective
@@ -630,10 +630,9 @@ def _apply_update(state: TrainState, grads: Any, loss: jax.Array, mixed: bool,
     if mixed:
         # mixed_precision, alone or in an optax.chain (find_state refuses other wrappers), takes
         # extra arguments; the declared type of tx does not say so.
-        tx = optax.with_extra_args_support(state.tx)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, value=loss)
+        params, opt_state = apply_updates(state.tx, grads, state.opt_state, state.params,
+                                          value=loss)
         mp = find_state(opt_state)
-        params = next_working_params(mp, state.params, updates)
         if cast_sharding is not None:
             params = lax.with_sharding_constraint(params, cast_sharding)
         stats = GradStats(mp.grads_finite, mp.grad_norm, mp.nonfinite_leaves,

@@ -16,6 +16,7 @@ from helpers import make_batch
 from helpers import mse_loss
 from helpers import nnx_scaled_step
 from helpers import straight_and_resumed
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -442,3 +443,58 @@ def test_the_update_reads_the_storage_the_state_carries(monkeypatch):
     working = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(params)
     _, new_state = tx.update(jax.tree.map(jnp.zeros_like, working), state, working)
     assert built == [] and new_state.storage is state.storage
+
+
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_the_steps_new_params_are_what_optax_updates_give(master, policy):
+    """The train step takes the new working params from the transform itself
+    (``mixed_precision``'s ``apply``); a hand-written step gets them from ``tx.update`` and
+    :func:`jaxamp.state.next_working_params`: the same bits from the same gradients, on an
+    applied and on a skipped step. (A param that is its own fp32 master, under ``float32``,
+    gets the inner optimizer's ``p + u`` in the step, as a plain optax step does; ``update``
+    hands out ``(p + u) - p``, which ``p`` plus it gives back to within an ulp.)"""
+    from jaxamp._master_weights import apply_updates
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), policy, master=master)
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+
+    def grads_of(state, batch):
+        return jax.grad(lambda p: jaxamp.state.scale_loss(mse_loss(p, batch),
+                                                           state.opt_state))(state.params)
+
+    @jax.jit
+    def by_hand(state, batch):
+        updates, opt_state = tx.update(grads_of(state, batch), state.opt_state, state.params)
+        params = jaxamp.state.next_working_params(opt_state, state.params, updates)
+        return params, opt_state, optax.apply_updates(state.params, updates)
+
+    @jax.jit
+    def as_the_step(state, batch):
+        return apply_updates(tx, grads_of(state, batch), state.opt_state, state.params)
+
+    for batch in (make_batch(), _poisoned(make_batch()), make_batch(2)):
+        params, opt_state, applied = by_hand(state, batch)
+        assert_tree_bitwise_equal(jax.tree.map(lambda a, p: a.astype(p.dtype), applied, params),
+                                  params)  # optax's apply_updates promotes; its cast agrees
+        assert_tree_bitwise_equal(as_the_step(state, batch), (params, opt_state))
+        state = state.replace(params=params, opt_state=opt_state)
+    assert int(jaxamp.find_state(state.opt_state).skipped_steps) == 1
+
+
+def test_a_skipped_step_reads_no_old_param_after_its_branch():
+    """Under ``master="kahan"`` the step's new bf16 params come out of the skip's ``lax.cond``:
+    no equation after it reads the old params. (Their exact differences as updates need the
+    old params after the branch, and XLA then copied every param the skipped branch passed
+    through: 0.62 GB on MaxText's 334M-param llama2 compiled for an H200.)"""
+    tx = jaxamp.mixed_precision(optax.adam(1e-2), "mixed_bfloat16", master="kahan")
+    state = jaxamp.TrainState.create(params=init_params(), tx=tx)
+    jaxpr = jax.make_jaxpr(jaxamp.make_train_step(mse_loss))(state, make_batch()).jaxpr
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    params = {v for (path, _), v in zip(leaves, jaxpr.invars[:len(leaves)], strict=True)
+              if jax.tree_util.keystr(path).startswith(".params")}
+    assert len(params) == len(jax.tree.leaves(state.params))
+    conds = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    after = [e for e in jaxpr.eqns[conds[0] + 1:]
+             if any(v in params for v in e.invars if not isinstance(v, Literal))]
+    assert after == [], after

@@ -66,7 +66,8 @@ Memory: an fp32 region is computed under ``jax.checkpoint`` from its half-precis
 and hands its full-size results to the matmuls and elementwise ops that read them in the
 compute dtype, so it keeps no fp32 tensor for the backward pass; torch keeps its fp32 ops'
 fp32 results. With
-``recompute=True`` (the default under a half compute dtype) the whole function also runs under a
+``recompute=True`` (the default under a half compute dtype, for a function with no remat of its
+own: where the model remats, its policy decides what is kept) the whole function also runs under a
 ``jax.checkpoint`` policy that keeps only the matmuls' outputs and operands (and those of
 collectives, sorts, pools and cumulative ops): the elementwise chains between matmuls (a
 tanh GELU, a residual add, a mask) are recomputed in the backward pass, as PyTorch's fused GELU,
@@ -128,6 +129,7 @@ from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _DEBUG_CALLBACKS
 from jaxamp._autocast._recompute import _Memory
 from jaxamp._autocast._recompute import _Recomputing
+from jaxamp._autocast._recompute import _holds_no_remat
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
 from jaxamp._autocast._rules import _in_scopes
@@ -164,7 +166,7 @@ def full_precision(fn: Callable) -> Callable:
 
 def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
              rules: Mapping[str, str] | None = None,
-             fp32_scopes: Sequence[str] = (), recompute: bool = True) -> Callable:
+             fp32_scopes: Sequence[str] = (), recompute: bool | None = None) -> Callable:
     """Runs ``fn`` under per-op dtype rules: matmuls in the compute dtype, precision-sensitive
     ops in fp32 (see the module docstring for the lists).
 
@@ -191,7 +193,11 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         norms keep only their inputs. ``False`` keeps JAX's default: every intermediate the
         derivative reads (a tanh GELU alone saves six tensors of its input's size). Functions
         with other side effects than ``jax.debug.print`` and ``jax.debug.callback`` (which run
-        once, in the forward pass) are not recomputed.
+        once, in the forward pass) are not recomputed. ``None`` (default): ``True``, unless
+        ``fn`` holds a remat of its own (``jax.checkpoint``, ``nnx.remat``, a scan of remat'd
+        layers): the model's remat policy then decides what is kept, and what lies outside
+        it keeps JAX's default (on MaxText's llama2 that is 2-7% less GPU memory than
+        autocast's recompute around the model's remat, under each of its remat policies).
 
     Returns:
       A function with ``fn``'s signature.
@@ -242,7 +248,8 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
         closed, out_shape = _trace(flat_fn, arrays)
 
         # Only under a half compute dtype; an effect would run again in the backward pass.
-        memory = (_Recomputing() if recompute and regions
+        recomputes = _holds_no_remat(closed) if recompute is None else recompute
+        memory = (_Recomputing() if recomputes and regions
                   and _only_debug_effects(closed) else _Memory())
         scopes_seen: set[str] = set()
 

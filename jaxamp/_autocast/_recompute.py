@@ -263,6 +263,11 @@ class _Recomputing(_Memory):
         return each_step
 
 
+def _holds_no_remat(closed: Any) -> bool:
+    """Whether no equation of a traced function, at any depth, is a model's own remat."""
+    return not any(kind(e) == "remat" for e, _ in walk(closed.jaxpr))
+
+
 def _holds_remat(eqn: Any) -> bool:
     """Whether a higher-order equation's bodies hold a model's own remat."""
     return any(kind(e) == "remat" for body, _ in sub_jaxprs(eqn) for e, _ in walk(body))
