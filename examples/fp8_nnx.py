@@ -69,7 +69,7 @@ def train(recipe: str, steps: int, seed: int = 0) -> dict:
             "fp8_share": report.fp8_matmul_share, "fp8_states": len(metas),
             "input_amax_history": [float(a) for a in metas[0].amax_history[0, :3]]
             if metas else [],
-            "skipped_steps": int(jaxamp.find_state(state.opt_state).skipped_steps)}
+            "skipped_steps": int(jaxamp.find_state(state.opt_state).health.skipped_steps)}
 
 
 def main(steps: int = 200) -> dict:

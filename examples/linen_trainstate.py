@@ -58,9 +58,10 @@ def main(steps: int = 200, seed: int = 0) -> dict:
     mp = jaxamp.find_state(state.opt_state)
     logits = model.apply({"params": state.params}, policy.cast_to_compute(x))
     out = {"loss": float(loss), "accuracy": float(jnp.mean(jnp.argmax(logits, -1) == y)),
-           "loss_scale": float(mp.loss_scale.loss_scale), "skipped_steps": int(mp.skipped_steps),
+           "loss_scale": float(mp.loss_scale.loss_scale),
+           "skipped_steps": int(mp.health.skipped_steps),
            "params_dtype": str(jax.tree.leaves(state.params)[0].dtype),
-           "master_dtype": str(jax.tree.leaves(mp.master_params)[0].dtype)}
+           "master_dtype": str(jax.tree.leaves(mp.master.params)[0].dtype)}
     print(out)
     return out
 

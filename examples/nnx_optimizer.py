@@ -63,7 +63,7 @@ def main(steps: int = 200, seed: int = 0) -> dict:
                bool(jnp.array_equal(w, m.astype(w.dtype))) for w, m in zip(working, master,
                                                                             strict=True)),
            "output_dtype": str(model(x.astype(jnp.bfloat16)).dtype),
-           "skipped_steps": int(jaxamp.find_state(optimizer.opt_state).skipped_steps)}
+           "skipped_steps": int(jaxamp.find_state(optimizer.opt_state).health.skipped_steps)}
     print(out)
     return out
 

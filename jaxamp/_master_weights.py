@@ -148,8 +148,16 @@ class Health(NamedTuple):
                    jnp.full((), -1, jnp.int32), zero(), jnp.array(False))
 
 
-class _State(NamedTuple):
-    """The fields of :class:`MixedPrecisionState`."""
+class MixedPrecisionState(NamedTuple):
+    """The state of :func:`mixed_precision`, nested by concern (optax's way): the master
+    storage, the inner optimizer's state, the loss scale, the health counters, and the static
+    policy and storage layout. Every leaf is an array.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = mixed_precision(optax.adam(1e-3), "mixed_bfloat16").init({"w": jnp.ones(2)})
+    >>> int(state.health.applied_steps), state.master.params["w"].dtype, str(state.policy)
+    (0, dtype('float32'), 'p=f32,c=bf16,o=f32')
+    """
 
     master: Master
     """The fp32 values: ``params`` (the master copies), ``compensation`` (the Kahan
@@ -173,157 +181,6 @@ class _State(NamedTuple):
     :func:`next_working_params`) asks it."""
 
 
-class MixedPrecisionState(_State):
-    """The state of :func:`mixed_precision`, nested by concern (optax's way): the master
-    storage, the inner optimizer's state, the loss scale, the health counters, and the static
-    policy and storage layout. Every leaf is an array.
-
-    >>> import jax.numpy as jnp, optax
-    >>> state = mixed_precision(optax.adam(1e-3), "mixed_bfloat16").init({"w": jnp.ones(2)})
-    >>> int(state.health.applied_steps), state.master.params["w"].dtype, str(state.policy)
-    (0, dtype('float32'), 'p=f32,c=bf16,o=f32')
-
-    The flat names of the state before it was nested (``state.skipped_steps``,
-    ``state.master_params``, ...) read the same fields. A checkpoint written in that layout
-    restores through :meth:`flat_layout` and :meth:`nested_layout`.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> MixedPrecisionState:
-        """The fields, or (as before the state was nested) the flat names of :attr:`master`
-        and :attr:`health` as keywords, merged into ``master=``/``health=`` when those are
-        given too."""
-        return super().__new__(cls, *args, **_nest(kwargs, None, None))
-
-    # The state's flat names, read-only: a field of :attr:`master` or :attr:`health`.
-    @property
-    def master_params(self) -> Any:
-        """The field ``master.params`` (read-only)."""
-        return self.master.params
-
-    @property
-    def compensation(self) -> Any:
-        """The field ``master.compensation`` (read-only)."""
-        return self.master.compensation
-
-    @property
-    def rounding_key(self) -> Any:
-        """The field ``master.rounding_key`` (read-only)."""
-        return self.master.rounding_key
-
-    @property
-    def applied_steps(self) -> jax.Array:
-        """The field ``health.applied_steps`` (read-only)."""
-        return self.health.applied_steps
-
-    @property
-    def skipped_steps(self) -> jax.Array:
-        """The field ``health.skipped_steps`` (read-only)."""
-        return self.health.skipped_steps
-
-    @property
-    def grads_finite(self) -> jax.Array:
-        """The field ``health.grads_finite`` (read-only)."""
-        return self.health.grads_finite
-
-    @property
-    def grad_norm(self) -> jax.Array:
-        """The field ``health.grad_norm`` (read-only)."""
-        return self.health.grad_norm
-
-    @property
-    def nonfinite_leaves(self) -> jax.Array:
-        """The field ``health.nonfinite_leaves`` (read-only)."""
-        return self.health.nonfinite_leaves
-
-    @property
-    def first_nonfinite_leaf(self) -> jax.Array:
-        """The field ``health.first_nonfinite_leaf`` (read-only)."""
-        return self.health.first_nonfinite_leaf
-
-    @property
-    def skips_at_min_scale(self) -> jax.Array:
-        """The field ``health.skips_at_min_scale`` (read-only)."""
-        return self.health.skips_at_min_scale
-
-    @property
-    def stalled(self) -> jax.Array:
-        """The field ``health.stalled`` (read-only)."""
-        return self.health.stalled
-
-    def _replace(self, **changes: Any) -> MixedPrecisionState:
-        """A copy with fields changed: its own, or the flat names of :attr:`master` and
-        :attr:`health` (``state._replace(master_params=..., skipped_steps=...)``)."""
-        return super()._replace(**_nest(changes, self.master, self.health))
-
-    @staticmethod
-    def flat_layout(tree: Any) -> Any:
-        """``tree`` (a train state, an optimizer state, its shardings or abstract values) with
-        every :class:`MixedPrecisionState` in the flat layout that checkpoints written before
-        the state was nested hold: restore such a checkpoint into ``flat_layout(target)``, then
-        :meth:`nested_layout` the result.
-
-        >>> import jax.numpy as jnp, optax
-        >>> state = mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(2)})
-        >>> flat = MixedPrecisionState.flat_layout(state)
-        >>> int(flat.skipped_steps), MixedPrecisionState.nested_layout(flat).master.params["w"]
-        (0, Array([1., 1.], dtype=float32))
-        """
-        return _map_states(tree, MixedPrecisionState, lambda s: _FlatState._make((
-            s.master.params, s.inner_state, s.loss_scale, *s.health, s.master.compensation,
-            s.master.rounding_key, s.policy, s.storage)))
-
-    @staticmethod
-    def nested_layout(tree: Any) -> Any:
-        """``tree`` with every state in the flat layout (see :meth:`flat_layout`) nested."""
-        return _map_states(tree, _FlatState, lambda s: MixedPrecisionState(**s._asdict()))
-
-
-# The flat names of Master's fields.
-_MASTER_NAMES = {"master_params": "params", "compensation": "compensation",
-                 "rounding_key": "rounding_key"}
-
-
-def _nest(fields: dict, master: Master | None, health: Health | None) -> dict:
-    """``fields`` with the flat names of :class:`Master`'s and :class:`Health`'s fields folded
-    into ``master``/``health``: into the ones ``fields`` gives, else into ``master``/``health``
-    (a new one where that is ``None``)."""
-    flat_master = {_MASTER_NAMES[k]: fields.pop(k) for k in list(fields) if k in _MASTER_NAMES}
-    flat_health = {k: fields.pop(k) for k in list(fields) if k in Health._fields}
-    for name, flat, kind, base in (("master", flat_master, Master, master),
-                                   ("health", flat_health, Health, health)):
-        if flat:
-            given = fields.get(name, base)
-            fields[name] = kind(**flat) if given is None else given._replace(**flat)
-    return fields
-
-
-class _FlatState(NamedTuple):
-    """:class:`MixedPrecisionState`'s layout before it was nested (its checkpoints' paths)."""
-
-    master_params: Any
-    inner_state: Any
-    loss_scale: Any
-    applied_steps: Any
-    skipped_steps: Any
-    grads_finite: Any
-    grad_norm: Any
-    nonfinite_leaves: Any
-    first_nonfinite_leaf: Any
-    skips_at_min_scale: Any
-    stalled: Any
-    compensation: Any = None
-    rounding_key: Any = None
-    policy: Policy = Policy()
-    storage: Storage | None = None
-
-
-def _map_states(tree: Any, kind: type, fn: Any) -> Any:
-    return jax.tree.map(lambda x: fn(x) if isinstance(x, kind) else x, tree,
-                        is_leaf=lambda x: isinstance(x, kind))
-
-
 def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
     return (count + (when & (count < INT32_MAX)).astype(jnp.int32)).astype(jnp.int32)
 
@@ -331,10 +188,10 @@ def _saturating_increment(count: jax.Array, when: jax.Array) -> jax.Array:
 def _step_key(state: MixedPrecisionState) -> Any:
     """This step's rounding key: the state's key folded with the count of applied steps (so a
     skipped step leaves the key, and the next applied step draws what it would have)."""
-    if state.rounding_key is None:
+    if state.master.rounding_key is None:
         return None
-    key = jax.random.wrap_key_data(state.rounding_key)
-    return jax.random.fold_in(key, state.applied_steps)
+    key = jax.random.wrap_key_data(state.master.rounding_key)
+    return jax.random.fold_in(key, state.health.applied_steps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,7 +264,7 @@ def _stall_state(state: MixedPrecisionState, finite: jax.Array, stall_after: int
     """A skip at the minimum scale (the scale used for this step could not back off) extends
     the run that ``stalled`` watches; any other step ends it."""
     at_min = ~finite & state.loss_scale.at_min_scale()
-    skips = jnp.where(at_min, _saturating_increment(state.skips_at_min_scale, at_min),
+    skips = jnp.where(at_min, _saturating_increment(state.health.skips_at_min_scale, at_min),
                       0).astype(jnp.int32)
     stalled = jnp.array(False) if stall_after is None else skips >= stall_after
     return skips, stalled
@@ -418,8 +275,8 @@ def _new_state(state: MixedPrecisionState, master, comp, inner_state, stats: Gra
     finite = stats.finite
     skips_at_min, stalled = _stall_state(state, finite, stall_after)
     health = Health(
-        applied_steps=_saturating_increment(state.applied_steps, finite),
-        skipped_steps=_saturating_increment(state.skipped_steps, ~finite),
+        applied_steps=_saturating_increment(state.health.applied_steps, finite),
+        skipped_steps=_saturating_increment(state.health.skipped_steps, ~finite),
         grads_finite=finite,
         grad_norm=stats.norm.astype(jnp.float32),
         nonfinite_leaves=stats.nonfinite_leaves,
@@ -436,14 +293,14 @@ def _check_state_matches(storage: Storage, state: MixedPrecisionState, params: A
     """The state must hold what this transform's storage reads: the state of another
     ``master=`` option (or of other params) would be read wrongly."""
     paths = [tree_path_str(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    mismatch = storage.mismatch(paths, state.master_params, state.compensation)
+    mismatch = storage.mismatch(paths, state.master.params, state.master.compensation)
     if mismatch is not None:
         raise ValueError(
             f"the optimizer state {mismatch}, which mixed_precision(..., master="
             f"{storage.option!r}) under policy {state.policy} does not expect: the state was "
             "built by another master= option or for other params. Build the state with the "
             "same transform that updates it (tx.init).")
-    if storage.needs_key and state.rounding_key is None:
+    if storage.needs_key and state.master.rounding_key is None:
         raise ValueError(
             f"mixed_precision(..., master={storage.option!r}, moments_dtype={storage.moments})"
             " rounds stochastically but the optimizer state holds no rounding key: it was "
@@ -482,7 +339,7 @@ def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_op
                          "compute updates; call tx.update(grads, state, params)")
     _check_same_structure(updates, params, what="gradient tree",
                           against="params tree passed to update")
-    _check_same_structure(params, state.master_params, what="params passed to update")
+    _check_same_structure(params, state.master.params, what="params passed to update")
     paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
     storage = _storage_for(state, policy, params, master_option, moments)
     _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
@@ -504,7 +361,7 @@ def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_op
         _resolve_skip(skip), stats.finite,
         functools.partial(_apply, inner, extra_args, storage, state.loss_scale),
         functools.partial(_skip, storage),
-        state.master_params, state.compensation, state.inner_state, params, updates,
+        state.master.params, state.master.compensation, state.inner_state, params, updates,
         _step_key(state))
     return storage, master, targets, _new_state(state, master, comp, inner_state, stats,
                                                 stall_after)
@@ -880,7 +737,7 @@ def find_state(opt_state: Any) -> MixedPrecisionState:
 
     >>> import jax.numpy as jnp, optax
     >>> tx = optax.chain(mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
-    >>> int(find_state(tx.init({"w": jnp.ones(2)})).skipped_steps)
+    >>> int(find_state(tx.init({"w": jnp.ones(2)})).health.skipped_steps)
     0
     >>> tx = optax.chain(optax.clip(1.0), mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
     >>> find_state(tx.init({"w": jnp.ones(2)}))
@@ -951,16 +808,16 @@ def get_master_params(opt_state: Any, params: Any = None) -> Any:
     """
     state = find_state(opt_state)
     if params is None:
-        masters = jax.tree.leaves(state.master_params, is_leaf=is_absent)
+        masters = jax.tree.leaves(state.master.params, is_leaf=is_absent)
         if any(is_absent(m) for m in masters):
             raise ValueError(
                 "this optimizer state keeps no separate master copy of some params (a param "
                 "that works in param_dtype is its own master; master='kahan', 'stochastic' and "
                 "'none' keep none): pass the working params, get_master_params(opt_state, "
                 "params), or read jaxamp.TrainState.master_params")
-        return state.master_params
-    _check_same_structure(params, state.master_params, what="params")
-    return _storage_of(state).view(params, state.master_params, state.compensation)
+        return state.master.params
+    _check_same_structure(params, state.master.params, what="params")
+    return _storage_of(state).view(params, state.master.params, state.master.compensation)
 
 
 def _storage_of(state: MixedPrecisionState) -> Storage:
@@ -986,14 +843,14 @@ def next_working_params(opt_state: Any, params: Any, updates: Any) -> Any:
     (dtype(bfloat16), [0.75, 0.75])
     """
     state = find_state(opt_state)
-    return _storage_of(state).next_working(params, updates, state.master_params)
+    return _storage_of(state).next_working(params, updates, state.master.params)
 
 
 def storage_of(state: MixedPrecisionState, params: Any) -> Any:
     """A tree like the params holding, per param, the array its fp32 value is updated on: the
     master copy, else the compensation, else the param itself. Its shardings are where the
     data-parallel step reduces the gradients to and where it computes the new params."""
-    return _storage_of(state).holders(params, state.master_params, state.compensation)
+    return _storage_of(state).holders(params, state.master.params, state.master.compensation)
 
 
 def working_params(opt_state: Any, policy: Any = None) -> Any:

@@ -635,9 +635,11 @@ def _apply_update(state: TrainState, grads: Any, loss: jax.Array, mixed: bool,
         mp = find_state(opt_state)
         if cast_sharding is not None:
             params = lax.with_sharding_constraint(params, cast_sharding)
-        stats = GradStats(mp.grads_finite, mp.grad_norm, mp.nonfinite_leaves,
-                          mp.first_nonfinite_leaf)
-        skipped, skips_at_min, stalled = mp.skipped_steps, mp.skips_at_min_scale, mp.stalled
+        health = mp.health
+        stats = GradStats(health.grads_finite, health.grad_norm, health.nonfinite_leaves,
+                          health.first_nonfinite_leaf)
+        skipped, skips_at_min, stalled = (health.skipped_steps, health.skips_at_min_scale,
+                                          health.stalled)
     else:
         stats = grad_stats(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         stats = stats._replace(finite=stats.finite & jnp.isfinite(loss))

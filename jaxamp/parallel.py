@@ -177,7 +177,7 @@ def state_sharding(state: Any, mesh: Mesh, *, axis: str | tuple[str, ...] = "bat
     >>> tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16")
     >>> state = jaxamp.TrainState.create(params={"w": jnp.ones((64, 128))}, tx=tx)
     >>> shardings = state_sharding(state, mesh)
-    >>> shardings.opt_state.master_params["w"].spec, shardings.params["w"].spec
+    >>> shardings.opt_state.master.params["w"].spec, shardings.params["w"].spec
     (P(None, 'batch'), P())
     >>> state_sharding(state, mesh, params="sharded").params["w"].spec
     P(None, 'batch')

@@ -242,7 +242,7 @@ def test_a_rejected_update_leaves_the_optimizer_state_usable():
         tx.update({"w": jnp.ones(3), "b": jnp.ones(2)}, opt_state, params)
     assert_tree_bitwise_equal(jax.device_get(opt_state), snapshot)
     _, new = tx.update({"w": jnp.ones(4), "b": jnp.ones(2)}, opt_state, params)
-    assert int(new.applied_steps) == 1
+    assert int(new.health.applied_steps) == 1
 
 
 def test_rejected_replacements_leave_the_originals_unchanged():

@@ -195,8 +195,8 @@ class Run:
 def _frozen_parts(state):
     """Everything a skipped step must leave bit-identical."""
     mp = jaxamp.find_state(state.opt_state)
-    return (state.params, mp.master_params, mp.inner_state, mp.applied_steps, state.model_state,
-            state.rng)
+    return (state.params, mp.master.params, mp.inner_state, mp.health.applied_steps,
+            state.model_state, state.rng)
 
 
 def run(layout, scale, schedule, *, batches=None, next_batch=None, **state_kwargs):
@@ -211,7 +211,7 @@ def run(layout, scale, schedule, *, batches=None, next_batch=None, **state_kwarg
     state = place(layout, make_state(scale, **state_kwargs))
     out = Run(None, [], [], [], [], [], [], [])
     for i, fault in enumerate(schedule):
-        applied = int(first(jaxamp.find_state(state.opt_state).applied_steps))
+        applied = int(first(jaxamp.find_state(state.opt_state).health.applied_steps))
         batch = batches[applied % len(batches)]
         if fault is not None:
             batch = fault.apply(batch)
@@ -300,8 +300,8 @@ def injected_faults(layout, seed):
             assert count >= 1 and leaf >= 0
             assert not (np.isnan(f.value) and np.isfinite(loss))
     mp = jaxamp.find_state(faulty.state.opt_state)
-    assert int(mp.skipped_steps) == len(faults)
-    assert int(mp.applied_steps) == N_CLEAN
+    assert int(mp.health.skipped_steps) == len(faults)
+    assert int(mp.health.applied_steps) == N_CLEAN
     check_scale_trajectory(faulty, scale)
     check_scale_trajectory(clean, scale)
     # After the faults: the loss of the run that never saw them.
@@ -319,7 +319,7 @@ def injected_faults(layout, seed):
             "grad": sum(f.kind == "grad" for f in faults),
             "batch": sum(f.kind == "batch" for f in faults),
             "devices": len({f.device for f in faults}), "longest_burst": max(bursts),
-            "skipped": int(mp.skipped_steps), "hysteresis": scale.hysteresis,
+            "skipped": int(mp.health.skipped_steps), "hysteresis": scale.hysteresis,
             "refill": scale.hysteresis_refill, "scale_min": min(faulty.scales),
             "scale_max": max(faulty.scales), "loss_clean": loss_clean,
             "loss_faulty": loss_faulty, "bit_identical_end": all(
@@ -364,10 +364,10 @@ def real_overflow(layout, steps=60):
     assert later.count(False) >= 3
     check_scale_trajectory(result, scale)
     mp = jaxamp.find_state(result.state.opt_state)
-    assert int(mp.applied_steps) == result.finite.count(True)
+    assert int(mp.health.applied_steps) == result.finite.count(True)
     # Same applied batches as a run whose scale never overflows: the same loss.
     clean = run(layout, jaxamp.DynamicLossScale(loss_scale=2.0**8, growth_interval=10**6),
-                [None] * int(mp.applied_steps))
+                [None] * int(mp.health.applied_steps))
     assert all(clean.finite)
     loss, loss_clean = eval_loss(result.state), eval_loss(clean.state)
     np.testing.assert_allclose(loss, loss_clean, rtol=1e-2)
@@ -409,8 +409,8 @@ def unfixable_nan_data(layout, seed=0, bad_from=6, n_bad=20, n_after=8):
     # ...and every metric says so while the state keeps refusing the update: it never gives up
     # and applies a non-finite update (each skip was checked bit for bit in `run`).
     mp = jaxamp.find_state(result.state.opt_state)
-    assert int(mp.skipped_steps) == n_bad
-    assert int(mp.applied_steps) == bad_from + n_after
+    assert int(mp.health.skipped_steps) == n_bad
+    assert int(mp.health.applied_steps) == bad_from + n_after
     # Clean data again: the first finite step ends the stall, and training carries on.
     assert result.skips_at_min[bad_from + n_bad:] == [0] * n_after
     assert not any(result.stalled[bad_from + n_bad:])
@@ -418,7 +418,7 @@ def unfixable_nan_data(layout, seed=0, bad_from=6, n_bad=20, n_after=8):
     check_scale_trajectory(result, scale)
     first_stalled = bad_from + stalled.index(True) + 1
     return {"layout": layout, "bad_steps": n_bad, "steps_to_min_scale": 6,
-            "stalled_at_step": first_stalled, "skipped": int(mp.skipped_steps)}
+            "stalled_at_step": first_stalled, "skipped": int(mp.health.skipped_steps)}
 
 
 def test_nan_data_at_the_minimum_scale_reports_a_stall_and_never_applies():
@@ -436,9 +436,9 @@ def unfixable_divergence(steps=30):
     assert stall_step == 4 + STALL_AFTER - 1  # skips at scale 1 from step index 4
     assert all(result.stalled[stall_step:])
     mp = jaxamp.find_state(result.state.opt_state)
-    assert int(mp.applied_steps) == 1
+    assert int(mp.health.applied_steps) == 1
     # The fp32 master holds the huge but finite values; the fp16 working copy is inf.
-    master = jax.tree.leaves(mp.master_params)
+    master = jax.tree.leaves(mp.master.params)
     assert all(np.isfinite(np.asarray(x)).all() for x in master)
     assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(result.state.params))
     path = jaxamp.gradients.nonfinite_leaf_path(result.state.params, result.first_leaf[-1])

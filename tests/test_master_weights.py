@@ -117,12 +117,12 @@ def _check_working_params_track_master(case):
             true_grads)
         updates, state = update(scaled, state, params)
         params = optax.apply_updates(params, updates)
-        assert bool(state.grads_finite), step
-        assert int(state.applied_steps) == step + 1
+        assert bool(state.health.grads_finite), step
+        assert int(state.health.applied_steps) == step + 1
         for leaf in jax.tree.leaves(params):
             assert leaf.dtype == case["compute_dtype"]
         if case["compute_dtype"] == F32:  # the params are their own master: no copy is kept
-            assert jax.tree.leaves(state.master_params) == []
+            assert jax.tree.leaves(state.master.params) == []
             assert_tree_bitwise_equal(jaxamp.get_master_params(state, params), params)
             continue
         expected = policy.cast_params_to_compute(jaxamp.get_master_params(state))
@@ -212,8 +212,8 @@ def test_skipped_step_is_bit_identical(bad, applied_first):
     if applied_first:
         updates, state = update(_scaled_grads(loss, params, state), state, params)
         params = optax.apply_updates(params, updates)
-        assert bool(state.grads_finite)
-        assert int(state.applied_steps) == 1
+        assert bool(state.health.grads_finite)
+        assert int(state.health.applied_steps) == 1
     neg, pos = signed_zeros(params["w"])
     assert neg[1] and pos[2]
 
@@ -229,13 +229,13 @@ def test_skipped_step_is_bit_identical(bad, applied_first):
     assert_tree_bitwise_equal(new_params, params)
     neg, pos = signed_zeros(new_params["w"])
     assert neg[1] and pos[2]
-    assert_tree_bitwise_equal(state.master_params, before.master_params)
+    assert_tree_bitwise_equal(state.master.params, before.master.params)
     assert_tree_bitwise_equal(state.inner_state, before.inner_state)
     assert inner_counts(state.inner_state) == [int(applied_first)]
-    assert int(state.skipped_steps) == int(before.skipped_steps) + 1
-    assert int(state.applied_steps) == int(before.applied_steps)
-    assert not bool(state.grads_finite)
-    assert int(state.nonfinite_leaves) == 1
+    assert int(state.health.skipped_steps) == int(before.health.skipped_steps) + 1
+    assert int(state.health.applied_steps) == int(before.health.applied_steps)
+    assert not bool(state.health.grads_finite)
+    assert int(state.health.nonfinite_leaves) == 1
     assert float(state.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
     assert float(before.loss_scale.loss_scale) == 2.0**16
 
@@ -254,12 +254,12 @@ def test_never_applies_a_nonfinite_update():
         scale_before = float(state.loss_scale.loss_scale)
         updates, state = update(grads, state, params)
         params = optax.apply_updates(params, updates)
-        assert_tree_bitwise_equal(state.master_params, master)
+        assert_tree_bitwise_equal(state.master.params, master)
         assert_tree_bitwise_equal(params, policy.cast_params_to_compute(master))
-        assert int(state.skipped_steps) == i + 1
+        assert int(state.health.skipped_steps) == i + 1
         assert float(state.loss_scale.loss_scale) == scale_before / 2
-    assert int(state.skipped_steps) == 10
-    assert int(state.applied_steps) == 0
+    assert int(state.health.skipped_steps) == 10
+    assert int(state.health.applied_steps) == 0
     assert inner_counts(state.inner_state) == [0]
     assert float(state.loss_scale.loss_scale) == 2.0**6
 
@@ -321,10 +321,10 @@ def _check_skips_and_scales(trajectory, policy_name):
             assert_tree_bitwise_equal((p0, q0), (p1, q1))
             for a, b in ((o0, o1), (s0, s1)):
                 a, b = jaxamp.find_state(a), jaxamp.find_state(b)
-                assert_tree_bitwise_equal((a.master_params, a.inner_state),
-                                          (b.master_params, b.inner_state))
+                assert_tree_bitwise_equal((a.master.params, a.inner_state),
+                                          (b.master.params, b.inner_state))
     final = jaxamp.find_state(trajectory[-1][0][2])
-    assert int(final.skipped_steps) == sum(skipped)
+    assert int(final.health.skipped_steps) == sum(skipped)
     assert set(inner_counts(final.inner_state)) == {len(skipped) - sum(skipped)}
     scales = [float(m["loss_scale"]) for _, m, _, _ in trajectory]
     if policy_name == "mixed_float16":  # the scale grows and backs off along the way
@@ -412,8 +412,8 @@ def test_select_skip_applies_a_step_as_the_cond_skip_does_up_to_rounding(policy_
         else:
             assert_tree_bitwise_equal(out["select"], out["cond"])
             old, new = jaxamp.find_state(opt_state), jaxamp.find_state(out["select"][1])
-            assert_tree_bitwise_equal((new.master_params, new.inner_state, out["select"][2]),
-                                      (old.master_params, old.inner_state, params))
+            assert_tree_bitwise_equal((new.master.params, new.inner_state, out["select"][2]),
+                                      (old.master.params, old.inner_state, params))
         _, opt_state, params = out["cond"]
 
 
@@ -489,10 +489,10 @@ def test_schedule_does_not_advance_on_skipped_steps(kind):
             before = state
             updates, state = tx.update({"w": g}, state, params)
             params = optax.apply_updates(params, updates)
-            if not bool(state.grads_finite):
+            if not bool(state.health.grads_finite):
                 assert_tree_bitwise_equal(state.inner_state, before.inner_state)
                 counts = inner_counts(state.inner_state)
-                assert counts == [int(before.applied_steps)] * len(counts)
+                assert counts == [int(before.health.applied_steps)] * len(counts)
             else:
                 history.append(state)
         return history, params
@@ -501,10 +501,10 @@ def test_schedule_does_not_advance_on_skipped_steps(kind):
     skipped, skipped_params = run(with_skips)
     assert len(clean) == len(skipped) == 3
     for a, b in zip(clean, skipped, strict=True):
-        assert_tree_bitwise_equal(a.master_params, b.master_params)
+        assert_tree_bitwise_equal(a.master.params, b.master.params)
         assert_tree_bitwise_equal(a.inner_state, b.inner_state)
     assert_tree_bitwise_equal(clean_params, skipped_params)
-    assert int(skipped[-1].skipped_steps) == 3
+    assert int(skipped[-1].health.skipped_steps) == 3
     assert set(inner_counts(skipped[-1].inner_state)) == {3}
 
 
@@ -546,7 +546,7 @@ def test_small_updates_accumulate_in_the_master_but_not_in_bf16():
     policy = jaxamp.get_policy("mixed_bfloat16")
     tx = jaxamp.mixed_precision(optax.sgd(lr), policy)
     state = tx.init({"w": jnp.ones((1,), F32)})
-    params = policy.cast_params_to_compute(state.master_params)
+    params = policy.cast_params_to_compute(state.master.params)
     update = jax.jit(tx.update)
     first_change = None
     for i in range(steps):
@@ -554,12 +554,12 @@ def test_small_updates_accumulate_in_the_master_but_not_in_bf16():
         params = optax.apply_updates(params, updates)
         if first_change is None and float(params["w"][0]) != 1.0:
             first_change = i + 1
-    master = float(state.master_params["w"][0])
+    master = float(state.master.params["w"][0])
     np.testing.assert_allclose(1.0 - master, steps * lr, rtol=1e-3)
     assert params["w"].dtype == BF16
     assert first_change is not None and first_change < steps
     assert float(params["w"][0]) < 1.0
-    assert_tree_bitwise_equal(params, policy.cast_params_to_compute(state.master_params))
+    assert_tree_bitwise_equal(params, policy.cast_params_to_compute(state.master.params))
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,9 +592,9 @@ def test_unscale_uses_the_scale_of_this_step_on_growth_steps():
 
         ref_updates, ref_state = ref.update(coeffs, ref_state, ref_master)
         ref_master = optax.apply_updates(ref_master, ref_updates)
-        assert_tree_bitwise_equal(state.master_params, ref_master)
+        assert_tree_bitwise_equal(state.master.params, ref_master)
     assert scales == [4.0, 8.0, 16.0]
-    np.testing.assert_array_equal(np.asarray(state.master_params["w"]),
+    np.testing.assert_array_equal(np.asarray(state.master.params["w"]),
                                   np.asarray(master["w"]) - 2 * lr * np.asarray(coeffs["w"]))
 
 
@@ -635,7 +635,7 @@ def test_works_with_flax_train_state():
         assert_tree_bitwise_equal(
             state.params, policy.cast_params_to_compute(jaxamp.get_master_params(state.opt_state)))
     assert int(state.step) == 30
-    assert int(jaxamp.find_state(state.opt_state).applied_steps) == 30
+    assert int(jaxamp.find_state(state.opt_state).health.applied_steps) == 30
     assert losses[-1] < 0.8 * losses[0]
     assert all(np.isfinite(losses))
 
@@ -725,14 +725,14 @@ def test_state_dtypes_are_invariant(compute_dtype, scale_kind, inner):
         updates, state = update(grads, state, params)
         with jax.numpy_dtype_promotion("standard"):  # bf16 + fp32: optax's add, not ours
             params = optax.apply_updates(params, updates)
-        assert bool(state.grads_finite) == ok
+        assert bool(state.health.grads_finite) == ok
         assert jax.tree.structure(state) == init_structure
         assert _avals(state) == init_avals
-        for leaf in jax.tree.leaves(state.master_params):
+        for leaf in jax.tree.leaves(state.master.params):
             assert leaf.dtype == F32
         for leaf in jax.tree.leaves(params):
             assert leaf.dtype == compute_dtype
-    assert int(state.applied_steps) == 2 and int(state.skipped_steps) == 1
+    assert int(state.health.applied_steps) == 2 and int(state.health.skipped_steps) == 1
 
 
 def test_works_as_an_nnx_optimizer():
@@ -805,14 +805,14 @@ def test_the_layout_pin_is_the_steps_alone():
 def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
     pinned, with_pin = _mlp_steps(True)
     unpinned, without_pin = _mlp_steps(False)
-    assert not bool(jaxamp.find_state(with_pin[2][1]).grads_finite)
+    assert not bool(jaxamp.find_state(with_pin[2][1]).health.grads_finite)
     # Params, master, moments, scale and counters are bit-identical. The reported grad norm is
     # an fp32 sum whose order follows the layout: equal to within an ulp.
     def without_norm(trajectory):
         return [(p, s._replace(health=s.health._replace(grad_norm=None))) for p, s in trajectory]
     assert_tree_bitwise_equal(without_norm(with_pin), without_norm(without_pin))
     for (_, a), (_, b) in zip(with_pin, without_pin, strict=True):
-        np.testing.assert_allclose(a.grad_norm, b.grad_norm, rtol=1e-6)
+        np.testing.assert_allclose(a.health.grad_norm, b.health.grad_norm, rtol=1e-6)
     if jax.default_backend() == "cpu":
         # The transposing copies of the weight gradients (before the finite check and at
         # the skip's cond boundary) are gone: the step accesses fewer bytes.
@@ -885,29 +885,6 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
     new_state, _ = jax.jit(jaxamp.make_train_step(loss))(state, x)
     assert new_state.params["w1"].sharding.spec == P(None, "model")
     assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
-
-
-def test_the_state_takes_its_flat_names_beside_its_nested_fields():
-    """The names of the state before it was nested read, replace and construct the fields of
-    ``master`` and ``health``; given beside ``master=``/``health=`` they are merged in."""
-    tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16", master="kahan")
-    s = tx.init({"w": jnp.ones(2)})
-    assert s.compensation is s.master.compensation and s.stalled is s.health.stalled
-    five = jnp.int32(5)
-    built = jaxamp.MixedPrecisionState(master=s.master, inner_state=s.inner_state,
-                                       loss_scale=s.loss_scale, health=s.health,
-                                       skipped_steps=five, policy=s.policy, storage=s.storage)
-    assert built.health.skipped_steps is five and built.master is s.master
-    assert built.health.applied_steps is s.health.applied_steps
-    replaced = s._replace(master_params={"w": jnp.zeros(2)}, skipped_steps=five)
-    assert replaced.master.compensation is s.master.compensation
-    assert float(replaced.master.params["w"][0]) == 0.0 and replaced.skipped_steps is five
-    flat = jaxamp.MixedPrecisionState(
-        master_params=s.master_params, inner_state=s.inner_state, loss_scale=s.loss_scale,
-        compensation=s.compensation, rounding_key=s.rounding_key, policy=s.policy,
-        storage=s.storage, **s.health._asdict())
-    assert jax.tree.structure(flat) == jax.tree.structure(s)
-    assert_tree_bitwise_equal(jax.tree.leaves(flat), jax.tree.leaves(s))
 
 
 @pytest.mark.parametrize("spec,mixed", [("fp16", "mixed_float16"), ("bfloat16", "mixed_bfloat16")])

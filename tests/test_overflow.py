@@ -126,16 +126,16 @@ def test_first_of_several_nonfinite_leaves_is_reported():
 
 def test_optimizer_state_holds_the_first_nonfinite_leaf():
     state = make_state()
-    assert int(jaxamp.find_state(state.opt_state).first_nonfinite_leaf) == -1
+    assert int(jaxamp.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
     step = jax.jit(jaxamp.make_train_step(poisoned_loss))
     state, _ = step(state, poisoned(make_batch(), 2, np.nan))
     mp = jaxamp.find_state(state.opt_state)
     assert isinstance(mp, jaxamp.MixedPrecisionState)
-    assert int(mp.first_nonfinite_leaf) == LAYER1_KERNEL
-    assert int(mp.nonfinite_leaves) == 1
-    assert nonfinite_leaf_path(state.params, mp.first_nonfinite_leaf) == "layer1/kernel"
+    assert int(mp.health.first_nonfinite_leaf) == LAYER1_KERNEL
+    assert int(mp.health.nonfinite_leaves) == 1
+    assert nonfinite_leaf_path(state.params, mp.health.first_nonfinite_leaf) == "layer1/kernel"
     state, _ = step(state, make_batch())
-    assert int(jaxamp.find_state(state.opt_state).first_nonfinite_leaf) == -1
+    assert int(jaxamp.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
 
 
 def test_accumulated_micro_batches_name_the_poisoned_leaf():
@@ -163,7 +163,7 @@ def test_every_pmap_replica_names_the_same_leaf():
     params = jaxamp.parallel.unreplicate(rstate).params
     assert {nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
     mp = jaxamp.find_state(rstate.opt_state)
-    np.testing.assert_array_equal(np.asarray(mp.first_nonfinite_leaf), firsts)
+    np.testing.assert_array_equal(np.asarray(mp.health.first_nonfinite_leaf), firsts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import jaxamp
 from jaxamp import Policy
 from jaxamp import get_policy
 from jaxamp import resolve_auto
+from jaxamp._master_weights import Health
+from jaxamp._master_weights import Master
 from jaxamp.gradients import tree_path_str
 
 # The library's own arithmetic must be promotion-clean (see tests/conftest.py).
@@ -381,9 +383,8 @@ def test_tree_path_str():
 
 def test_tree_path_str_with_tuples_and_attributes():
     tree = jaxamp.MixedPrecisionState(
-        master_params={"w": (jnp.zeros(1),)}, inner_state=(), loss_scale=jaxamp.NoOpLossScale(),
-        applied_steps=0, skipped_steps=0, grads_finite=True, grad_norm=0.0,
-        nonfinite_leaves=0, first_nonfinite_leaf=-1, skips_at_min_scale=0, stalled=False)
+        master=Master(params={"w": (jnp.zeros(1),)}), inner_state=(),
+        loss_scale=jaxamp.NoOpLossScale(), health=Health.create())
     paths = [tree_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     assert paths[0] == "master/params/w/0"
 

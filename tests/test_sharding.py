@@ -137,7 +137,7 @@ def test_state_sharding_splits_the_master_and_the_moments(params_mode):
         assert jax.tree.structure(sh) == jax.tree.structure(state)
         mp = jaxamp.find_state(sh.opt_state)
         adam = mp.inner_state[0]
-        for tree_of_specs in (mp.master_params, adam.mu, adam.nu):
+        for tree_of_specs in (mp.master.params, adam.mu, adam.nu):
             assert tree_of_specs["l1"]["kernel"].spec == P(None, "batch")
             assert tree_of_specs["l2"]["kernel"].spec == P("batch")
             assert tree_of_specs["l1"]["bias"].spec == P()
@@ -145,7 +145,7 @@ def test_state_sharding_splits_the_master_and_the_moments(params_mode):
         want = P(None, "batch") if params_mode == "sharded" else P()
         assert sh.params["l1"]["kernel"].spec == want
         for replicated in (sh.step, sh.rng, sh.model_state["mean"], adam.count,
-                           mp.applied_steps, mp.skipped_steps):
+                           mp.health.applied_steps, mp.health.skipped_steps):
             assert replicated.spec == P()
         assert all(s.mesh == mesh for s in jax.tree.leaves(sh))
 
@@ -190,7 +190,7 @@ def test_the_gradients_of_bf16_params_are_reduced_in_reduce_dtype(kind, layout, 
     state, _, batch_sh = jit_step(state, mesh, layout)
     batch = jaxamp.parallel.put_sharded(make_batch(), batch_sh)
     found = collectives(jaxamp.make_train_step(loss_fn, reduce_dtype=reduce_dtype), state, batch)
-    master = jaxamp.find_state(state.opt_state).master_params
+    master = jaxamp.find_state(state.opt_state).master.params
     shapes = {tuple(x.shape) for x in jax.tree.leaves(master)}
     shards = {tuple(s.data.shape) for x in jax.tree.leaves(master) for s in x.addressable_shards}
     grads = [f for f in found if f[0] in _REDUCTIONS and f[2] in shapes]
@@ -300,7 +300,7 @@ def test_an_inf_on_one_device_skips_the_step_everywhere_with_the_sharded_state_u
         after = jax.device_get(state)
         mp_before, mp_after = (jaxamp.find_state(s.opt_state) for s in (before, after))
         assert_tree_bitwise_equal(after.params, before.params)
-        assert_tree_bitwise_equal(mp_after.master_params, mp_before.master_params)
+        assert_tree_bitwise_equal(mp_after.master.params, mp_before.master.params)
         assert_tree_bitwise_equal(mp_after.inner_state, mp_before.inner_state)
         assert float(mp_after.loss_scale.loss_scale) == float(mp_before.loss_scale.loss_scale) / 2
         before = after
@@ -374,7 +374,7 @@ def test_model_state_rng_aux_and_accumulation_under_a_data_parallel_jit_equal_pm
     assert_tree_bitwise_equal(jax.device_get(pstate.model_state),
                               jax.device_get(jstate.model_state))
     # Integer leaves are not averaged: 2 micro-batches per applied step (skips discard it).
-    applied = int(jaxamp.find_state(jstate.opt_state).applied_steps)
+    applied = int(jaxamp.find_state(jstate.opt_state).health.applied_steps)
     assert applied >= 1 and int(jstate.model_state["count"]) == 2 * applied
     assert_tree_bitwise_equal(master_of(pstate), master_of(jstate))
 
@@ -393,7 +393,7 @@ def test_a_two_axis_mesh_reduces_over_the_data_axis():
     for _ in range(3):
         two, _ = step(two, jaxamp.parallel.put_sharded(batch, batch_sh))
         one, _ = step4(one, jaxamp.parallel.put_sharded(batch, batch_sh4))
-    assert two.opt_state.master_params["l2"]["kernel"].sharding.is_equivalent_to(
+    assert two.opt_state.master.params["l2"]["kernel"].sharding.is_equivalent_to(
         NamedSharding(mesh, P("data")), 2)
     for a, b in zip(jax.tree.leaves(master_of(two)), jax.tree.leaves(master_of(one)),
                     strict=True):
@@ -428,9 +428,9 @@ def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
                             tree, tp)
     mp = jaxamp.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
-        master_params=on_model_axis(mp.master_params)))
+        master=mp.master._replace(params=on_model_axis(mp.master.params))))
     sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
-    assert sh.opt_state.master_params["l1"]["kernel"].spec == P("data", "model")
+    assert sh.opt_state.master.params["l1"]["kernel"].spec == P("data", "model")
     assert sh.params["l2"]["kernel"].spec == P("model", "data")
     batch_sh = NamedSharding(mesh, P("data"))
     step = jax.jit(jaxamp.make_train_step(loss_fn, data_axis="data"),
@@ -442,7 +442,7 @@ def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
     for i in range(3):
         two, _ = step(two, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
         one, _ = step4(one, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh4))
-    assert two.opt_state.master_params["l1"]["kernel"].sharding.spec == P("data", "model")
+    assert two.opt_state.master.params["l1"]["kernel"].sharding.spec == P("data", "model")
     # XLA may split the model's matmuls over 'model' too (from jax 0.11 it does): bf16
     # partial sums, so not the bits of data parallelism. What three steps moved each leaf
     # agrees to bf16 rounding (measured: within 2%, the most in a bias, whose gradient sums
@@ -475,9 +475,9 @@ def test_tensor_parallel_on_explicit_axes_reduce_scatters_each_block():
     state = make_state("mixed_bfloat16")
     mp = jaxamp.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
-        master_params=on_model_axis(mp.master_params)))
+        master=mp.master._replace(params=on_model_axis(mp.master.params))))
     sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
-    assert sh.opt_state.master_params["l1"]["kernel"].spec == P("data", "model")
+    assert sh.opt_state.master.params["l1"]["kernel"].spec == P("data", "model")
     batch_sh = NamedSharding(mesh, P("data"))
     step = jax.jit(jaxamp.make_train_step(tp_loss, data_axis="data"))
     two = jax.device_put(state, sh)
@@ -485,7 +485,7 @@ def test_tensor_parallel_on_explicit_axes_reduce_scatters_each_block():
     for i in range(3):
         two, _ = step(two, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh))
         one, _ = step4(one, jaxamp.parallel.put_sharded(make_batch(seed=i), batch_sh4))
-    assert two.opt_state.master_params["l1"]["kernel"].sharding.spec == P("data", "model")
+    assert two.opt_state.master.params["l1"]["kernel"].sharding.spec == P("data", "model")
     for a, b in zip(jax.tree.leaves(master_of(two)), jax.tree.leaves(master_of(one)),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -586,7 +586,7 @@ def test_a_sharded_checkpoint_restores_onto_4_and_1_devices_and_training_continu
     for n in (8, 4, 1):
         restored, mesh = restored_onto(tmp_path / "ckpt", template, n)
         assert_tree_bitwise_equal(host_leaves(restored), saved)
-        assert restored.opt_state.master_params["l2"]["kernel"].sharding.mesh == mesh
+        assert restored.opt_state.master.params["l2"]["kernel"].sharding.mesh == mesh
         # n devices x accum_steps 8/n take the same 8 micro-batches: the same training.
         state_n, step_n, batch_sh_n = jit_step(template, mesh, "zero3", accum_steps=N // n)
         for i in range(4, 8):

@@ -229,7 +229,7 @@ def test_moments_dtype_stores_rank_1_leaves_and_keeps_scalars():
 def _bytes_per_param(state):
     n = sum(x.size for x in jax.tree.leaves(state.params))
     big = [x for x in jax.tree.leaves(state) if x.ndim]  # leave out counters and scalars
-    key = jaxamp.find_state(state.opt_state).rounding_key  # 8 bytes, whatever the model
+    key = jaxamp.find_state(state.opt_state).master.rounding_key  # 8 bytes, whatever the model
     return (sum(x.nbytes for x in big) - (0 if key is None else key.nbytes)) / n
 
 
@@ -244,7 +244,7 @@ def test_state_bytes_per_param_of_adam(master, moments_dtype, expected):
 def test_a_float32_policy_keeps_no_second_copy():
     state = _state("float32", policy="float32")
     assert _bytes_per_param(state) == 12  # params and adam's two moments
-    assert jax.tree.leaves(jaxamp.find_state(state.opt_state).master_params) == []
+    assert jax.tree.leaves(jaxamp.find_state(state.opt_state).master.params) == []
     assert_tree_bitwise_equal(state.master_params, state.params)
     with pytest.raises(ValueError, match="pass the working params"):
         jaxamp.get_master_params(state.opt_state)
@@ -276,17 +276,17 @@ def test_state_dtypes_and_skips_bit_identical(step, policy, master, moments_dtyp
     assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
     mp, mp0 = jaxamp.find_state(state.opt_state), jaxamp.find_state(before.opt_state)
     assert_tree_bitwise_equal(state.params, before.params)
-    assert_tree_bitwise_equal((mp.master_params, mp.compensation, mp.inner_state,
-                               mp.rounding_key, mp.applied_steps),
-                              (mp0.master_params, mp0.compensation, mp0.inner_state,
-                               mp0.rounding_key, mp0.applied_steps))
+    assert_tree_bitwise_equal((mp.master.params, mp.master.compensation, mp.inner_state,
+                               mp.master.rounding_key, mp.health.applied_steps),
+                              (mp0.master.params, mp0.master.compensation, mp0.inner_state,
+                               mp0.master.rounding_key, mp0.health.applied_steps))
     state, metrics = step(state, batch)  # and the next applied step is the one it would be
     assert bool(metrics["grads_finite"])
     again, _ = step(before, batch)
     mp, mp_again = jaxamp.find_state(state.opt_state), jaxamp.find_state(again.opt_state)
     assert_tree_bitwise_equal(
-        (state.params, mp.master_params, mp.compensation, mp.inner_state),
-        (again.params, mp_again.master_params, mp_again.compensation, mp_again.inner_state))
+        (state.params, mp.master.params, mp.master.compensation, mp.inner_state),
+        (again.params, mp_again.master.params, mp_again.master.compensation, mp_again.inner_state))
 
 
 @pytest.mark.parametrize("master", MASTERS)
@@ -478,7 +478,7 @@ def test_the_steps_new_params_are_what_optax_updates_give(master, policy):
                                   params)  # optax's apply_updates promotes; its cast agrees
         assert_tree_bitwise_equal(as_the_step(state, batch), (params, opt_state))
         state = state.replace(params=params, opt_state=opt_state)
-    assert int(jaxamp.find_state(state.opt_state).skipped_steps) == 1
+    assert int(jaxamp.find_state(state.opt_state).health.skipped_steps) == 1
 
 
 def test_a_skipped_step_reads_no_old_param_after_its_branch():

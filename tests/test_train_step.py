@@ -133,7 +133,7 @@ def test_pmap_sharded_jit_and_single_device_jit_agree(policy, master_tol, params
     assert_tree_allclose(p_state.params, j_state.params, **params_tol)
     for s in (p_state, s_state, j_state):
         assert int(s.step) == steps
-        assert int(mp_state(s).applied_steps) == steps
+        assert int(mp_state(s).health.applied_steps) == steps
         for leaf in jax.tree.leaves(s.master_params):
             assert leaf.dtype == F32
         compute = jaxamp.get_policy(policy).compute_dtype
@@ -178,7 +178,7 @@ def test_inf_in_one_device_shard_skips_the_step_on_every_device():
     np.testing.assert_array_equal(np.asarray(m["skipped_steps"]), np.ones(N_DEVICES))
     np.testing.assert_array_equal(np.asarray(m["loss_scale"]), np.full(N_DEVICES, 2.0**8))
     assert_tree_bitwise_equal(rstate.params, before.params)
-    assert_tree_bitwise_equal(mp_state(rstate).master_params, mp_state(before).master_params)
+    assert_tree_bitwise_equal(mp_state(rstate).master.params, mp_state(before).master.params)
     assert_tree_bitwise_equal(mp_state(rstate).inner_state, mp_state(before).inner_state)
     np.testing.assert_array_equal(np.asarray(mp_state(rstate).loss_scale.loss_scale),
                                   np.full(N_DEVICES, 2.0**7))
@@ -214,7 +214,7 @@ def test_accumulation_equals_one_step_on_the_full_batch(loss_name):
         np.testing.assert_allclose(float(a["grad_norm"]), float(f["grad_norm"]), rtol=1e-5)
         assert bool(a["grads_finite"])
     assert int(acc_state.step) == 3
-    assert int(mp_state(acc_state).applied_steps) == 3
+    assert int(mp_state(acc_state).health.applied_steps) == 3
     assert float(acc_metrics[-1]["loss"]) < float(acc_metrics[0]["loss"])
 
 
@@ -231,9 +231,9 @@ def test_overflow_in_one_micro_batch_skips_the_whole_step(policy):
     assert not bool(m["grads_finite"])
     assert int(m["skipped_steps"]) == 1
     assert_tree_bitwise_equal(state.params, before.params)
-    assert_tree_bitwise_equal(mp_state(state).master_params, mp_state(before).master_params)
+    assert_tree_bitwise_equal(mp_state(state).master.params, mp_state(before).master.params)
     assert_tree_bitwise_equal(mp_state(state).inner_state, mp_state(before).inner_state)
-    assert int(mp_state(state).applied_steps) == 1
+    assert int(mp_state(state).health.applied_steps) == 1
     assert int(state.step) == 2
 
 
@@ -274,7 +274,7 @@ def test_a_nonfinite_loss_with_finite_gradients_skips_the_step(layout, value):
                               before.opt_state if plain else mp_state(before).inner_state)
     if not plain:
         assert np.all(np.asarray(m["skipped_steps"]) == 1)
-        assert_tree_bitwise_equal(mp_state(state).master_params, mp_state(before).master_params)
+        assert_tree_bitwise_equal(mp_state(state).master.params, mp_state(before).master.params)
         np.testing.assert_array_equal(np.asarray(mp_state(state).loss_scale.loss_scale),
                                       np.full_like(np.asarray(m["loss_scale"]), 2.0**7))
     state, m = step(state, shard(batch))  # the next finite step is applied
@@ -507,7 +507,7 @@ def test_step_compiles_once_while_the_scale_grows_backs_off_and_skips():
     assert max(scales) == 2.0**10
     assert any(b < a for a, b in zip(scales, scales[1:], strict=False))
     assert int(m["skipped_steps"]) == len(poisoned_steps)
-    assert int(mp_state(state).applied_steps) == 50 - len(poisoned_steps)
+    assert int(mp_state(state).health.applied_steps) == 50 - len(poisoned_steps)
     assert int(state.step) == 50
 
 

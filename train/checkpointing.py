@@ -76,22 +76,15 @@ def restore_latest(checkpoints: ocp.CheckpointManager, state: Any,
         return state, 0
     step = int(step)
     path = os.path.join(str(checkpoints.directory), str(step), "state")
-    # A checkpoint written before jaxamp.MixedPrecisionState was nested holds its fields flat:
-    # it restores into the flat layout of the state, which is then nested again.
-    target = state
     try:
         check_checkpoint_matches(path, state)
-    except CheckpointMismatch as mismatch:
-        target = jaxamp.MixedPrecisionState.flat_layout(state)
-        try:
-            check_checkpoint_matches(path, target)
-        except CheckpointMismatch:
-            checkpoints.close()
-            raise mismatch from None
+    except CheckpointMismatch:
+        checkpoints.close()
+        raise
     restored = checkpoints.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(state), data=ocp.args.JsonRestore()))
     batches.restore(tuple(restored.data))
-    return jaxamp.MixedPrecisionState.nested_layout(restored.state), step
+    return restored.state, step
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, state: Any, data_position: Any) -> None:
