@@ -185,7 +185,8 @@ def test_memory_goal_of_a_scanned_transformer_under_autocast(model_remat):
     assert mixed <= 0.6 * fp32, (mixed / fp32, mixed, fp32)
 
 
-@pytest.mark.parametrize("model_remat", ["checkpoint", "checkpoint, dots_with_no_batch_dims_saveable"])
+@pytest.mark.parametrize("model_remat",
+                         ["checkpoint", "checkpoint, dots_with_no_batch_dims_saveable"])
 def test_a_model_that_remats_keeps_what_its_remat_keeps_in_less_memory(model_remat):
     """Autocast's default (``recompute=None``) defers to a model's own remat: the remat suite's
     layer-scanned transformer with remat'd layers (4 layers x 256, batch 4 x 512, vocabulary
