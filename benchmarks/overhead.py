@@ -1,10 +1,12 @@
-"""Suite ``overhead``: the AMP machinery's cost per step, the same encoder step built eight ways.
+"""Suite ``overhead``: the AMP machinery's cost per step, the same encoder step built nine ways.
 
     python -m benchmarks overhead [--rounds 30]   # --rounds 0: cost analysis only, nothing timed
 
 The variants: ``fp32``; ``bare_bf16`` (fp32 params cast to bf16 in the loss, no scaling, no
 skip); the peers' recipes (jmp, flax ``DynamicScale``, optax ``apply_if_finite``); jaxamp's
-``mixed_bfloat16`` and ``mixed_float16`` steps and ``mixed_bfloat16`` with ``accum_steps=4``.
+``mixed_bfloat16`` and ``mixed_float16`` steps, ``mixed_bfloat16`` with ``accum_steps=4``, and
+``mixed_float16`` with ``retry_on_overflow=True`` (on these steps, which do not overflow, its
+time and bytes against the same step without: ``time_vs_no_retry``, ``bytes_vs_no_retry``).
 Each is jitted with its state donated and timed interleaved; flops, bytes and entry instructions
 come from the compiled step, saved activations from ``jaxamp.audit_grad``.
 """
@@ -93,13 +95,15 @@ def peer_variant(task: EncoderTask, recipe, *, casts_params: bool) -> Variant:
 
 
 def jaxamp_variant(task: EncoderTask, policy: str, *, accum_steps: int = 1,
-                   pin_grad_layout: bool | None = None, **tx_options) -> Variant:
+                   pin_grad_layout: bool | None = None, retry_on_overflow: bool = False,
+                   **tx_options) -> Variant:
     """``make_train_step`` on ``mixed_precision(adamw, policy)`` with a ``DynamicLossScale``
     (and ``tx_options``: ``master=``, ``moments_dtype=``)."""
     amp_tx = jaxamp.mixed_precision(task.tx, policy, loss_scale=jaxamp.DynamicLossScale(),
                                     **tx_options)
     amp_step = jaxamp.make_train_step(task.loss, accum_steps=accum_steps,
-                                      pin_grad_layout=pin_grad_layout)
+                                      pin_grad_layout=pin_grad_layout,
+                                      retry_on_overflow=retry_on_overflow)
 
     def step(state, batch):
         state, metrics = amp_step(state, batch)
@@ -130,6 +134,8 @@ def variants(cfg: encoder.EncoderConfig, batch_size: int, lr: float = 1e-3, *,
         "jaxamp_mixed_bf16": jaxamp_step("mixed_bfloat16"),
         "jaxamp_mixed_fp16": jaxamp_step("mixed_float16"),
         "jaxamp_bf16_accum4": jaxamp_step("mixed_bfloat16", accum_steps=4),
+        # A step that does not overflow: the retry loop's body never runs.
+        "jaxamp_mixed_fp16_retry": jaxamp_step("mixed_float16", retry_on_overflow=True),
     }, task.batch
 
 
@@ -185,6 +191,14 @@ def run(args) -> list[dict]:
     fp32_saved = rows[0]["saved_mb"]
     for r in rows:
         r["saved_vs_fp32"] = r["saved_mb"] / fp32_saved
+    # retry_on_overflow's cost on a step that does not overflow, against the same step without.
+    retry = next(r for r in rows if r["variant"] == "jaxamp_mixed_fp16_retry")
+    retry["bytes_vs_no_retry"] = costs["jaxamp_mixed_fp16_retry"]["bytes"] / \
+        costs["jaxamp_mixed_fp16"]["bytes"]
+    if times:
+        ratio, q25, q75 = harness.paired_ratio(times, "jaxamp_mixed_fp16_retry",
+                                               "jaxamp_mixed_fp16")
+        retry["time_vs_no_retry"], retry["time_vs_no_retry_iqr"] = ratio, f"{q25:.3f}–{q75:.3f}"
     timing = (f"{args.rounds} interleaved rounds; ratios are the median and quartiles of the "
               "per-round ratios" if args.rounds else "cost analysis only, nothing timed")
     header = (f"{harness.machine()}; encoder {cfg}, batch {batch_size}, adamw, donated state, "

@@ -218,6 +218,7 @@ def make_train_step(
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = "auto",
     pin_grad_layout: bool | None = None,
+    retry_on_overflow: bool | int = False,
 ) -> TrainStep:
     """Builds ``step(state, batch) -> (state, metrics)``, pure and compiled once.
 
@@ -278,6 +279,15 @@ def make_train_step(
         gradients; ``True``/``False`` force it on or off. It changes no update, but XLA's
         partitioner all-gathers a gradient sharded over a device mesh to pin it, which is why
         the default leaves params on a mesh alone.
+      retry_on_overflow: a step whose gradients (or loss) overflow backs the loss scale off,
+        as a skipped step does, and computes them again at the lower scale within the same
+        call, at most this many times (``True``: 4, a factor of 16 at the default backoff);
+        the update then applies the first finite gradients, so an fp16 overflow costs no
+        update. A step that still overflows after the retries is skipped as without them
+        (the state bit for bit, the scale backed off once more). A retry runs only where the
+        overflow lowers the scale (not at ``min_scale``, nor while a ``hysteresis`` budget is
+        left), and needs :func:`jaxamp.mixed_precision`'s loss scale. On a step that does not
+        overflow it is a loop whose body does not run. ``False`` (default): none.
 
     Metrics (all computed in-graph): ``loss`` (fp32, unscaled, averaged), ``loss_scale`` (the
     scale used for this step), ``grads_finite`` (False on a skipped step: a gradient or the
@@ -287,7 +297,8 @@ def make_train_step(
     maps to the offending param's path), ``skips_at_min_scale`` (consecutive non-finite steps at
     the minimum loss scale) and ``stalled`` (True once those reach the ``stall_after`` of
     :func:`jaxamp.mixed_precision`: loss scaling cannot fix this overflow, so stop and look at
-    the data or the model).
+    the data or the model), and ``retries`` (the gradients computed again this step at a
+    backed-off scale; 0 without ``retry_on_overflow``).
 
     >>> import jax, jax.numpy as jnp, optax, jaxamp
     >>> def loss_fn(params, batch):
@@ -302,6 +313,11 @@ def make_train_step(
     1.0 65536.0 False
     1.0 32768.0 False
     1.0 16384.0 True
+    >>> state = TrainState.create(params={"w": jnp.zeros((3,))}, tx=tx)
+    >>> retrying = jax.jit(make_train_step(loss_fn, retry_on_overflow=True))
+    >>> state, m = retrying(state, batch)  # both overflows retried within the first step
+    >>> float(m["loss_scale"]), bool(m["grads_finite"]), int(m["retries"])
+    (16384.0, True, 2)
     """
     objective = objective_of(loss_fn, {"has_aux": has_aux, "has_model_state": has_model_state,
                                         "has_rng": has_rng, "autocast": autocast})
@@ -310,7 +326,20 @@ def make_train_step(
                           pin_grad_layout)
     return TrainStep(objective, accum_steps, reduce_dtype, warn_fp32_matmuls, sync_model_state,
                      pin_grad_layout, _Axis(axis_name) if axis_name is not None else
-                     _Jit(mesh, data_axis))
+                     _Jit(mesh, data_axis), _retries(retry_on_overflow))
+
+
+_DEFAULT_RETRIES = 4
+
+
+def _retries(retry_on_overflow: Any) -> int:
+    if retry_on_overflow is True or retry_on_overflow is False:
+        return _DEFAULT_RETRIES if retry_on_overflow else 0
+    if not isinstance(retry_on_overflow, int) or retry_on_overflow < 0:
+        raise ValueError(f"retry_on_overflow must be True, False or an int >= 0 (the most "
+                         f"retries in one step), got {retry_on_overflow!r}; True retries up "
+                         f"to {_DEFAULT_RETRIES} times")
+    return retry_on_overflow
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -332,6 +361,9 @@ class TrainStep:
     distribution: _Distribution
     """Where the step's gradients come from and how they are reduced: one device, the caller's
     ``pmap``/``shard_map`` axis, or the devices of a sharded ``jit``."""
+    retries: int = 0
+    """The most times an overflowed step's gradients are computed again at a backed-off
+    scale (``retry_on_overflow``)."""
 
     @property
     def __name__(self) -> str:  # jax.jit and the audit name a function by it
@@ -348,10 +380,16 @@ class TrainStep:
         placed = self.distribution.place(self, state, batch)
         scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
         batch = self.objective.batch_under(state.policy, batch)
-        # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices.
-        loss, grads, new_model_state, aux, seen = placed.gradients(self, state, mp, scale,
-                                                                   batch,
-                                                                   step_rng(self.objective, state))
+        # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices;
+        #    with retry_on_overflow, again at a backed-off scale while they overflow.
+        rng = step_rng(self.objective, state)
+        out = placed.gradients(self, state, mp, scale, batch, rng)
+        retries = jnp.zeros((), jnp.int32)
+        if self.retries and mp is not None:
+            loss_scale, out, retries = _retry(self, placed, state, mp, batch, rng, out)
+            state = state.replace(opt_state=_with_loss_scale(state.opt_state, loss_scale))
+            mp, scale = find_state(state.opt_state), loss_scale.loss_scale
+        loss, grads, new_model_state, aux, seen = out
         # 2. The model state's nodes (FP8 metadata) updated from what the step saw; an
         #    applied step keeps them, a skipped one drops them with the rest of the model state.
         if seen:
@@ -360,10 +398,44 @@ class TrainStep:
                                                    _model_state.update(nodes, seen))
         # 3. The update.
         new_state, metrics = placed.update(self, state, mp, grads, new_model_state, loss)
-        metrics = {"loss": loss, "loss_scale": scale, **metrics}
+        metrics = {"loss": loss, "loss_scale": scale, **metrics, "retries": retries}
         if self.objective.has_aux:
             metrics["aux"] = aux
         return new_state, metrics
+
+
+def _overflowed(loss: jax.Array, grads: Any) -> jax.Array:
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads) if is_inexact_array(g)]
+    return ~functools.reduce(jnp.logical_and, finite, jnp.all(jnp.isfinite(loss)))
+
+
+def _retry(step: TrainStep, placed: _Distribution, state: TrainState,
+           mp: MixedPrecisionState, batch: Any, rng: Any, out: tuple):
+    """``(loss scale, gradients, retries)``: ``out`` (the gradients at the state's scale), or
+    while they overflow and a backoff lowers the scale, at most ``step.retries`` times, the
+    gradients at the backed-off scale. Every device of a step sees the same reduced gradients,
+    so all run the loop as often."""
+    def lowers(loss_scale):
+        return loss_scale.adjust(False).loss_scale < loss_scale.loss_scale
+
+    def again(carry):
+        loss_scale, out, n = carry
+        return _overflowed(out[0], out[1]) & (n < step.retries) & lowers(loss_scale)
+
+    def retry(carry):
+        loss_scale, _, n = carry
+        loss_scale = loss_scale.adjust(False)
+        out = placed.gradients(step, state, mp, loss_scale.loss_scale, batch, rng)
+        return loss_scale, out, n + 1
+
+    return lax.while_loop(again, retry, (mp.loss_scale, out, jnp.zeros((), jnp.int32)))
+
+
+def _with_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
+    """``opt_state`` with its :class:`~jaxamp.MixedPrecisionState`'s loss scale replaced."""
+    return jax.tree.map(
+        lambda x: x._replace(loss_scale=loss_scale) if isinstance(x, MixedPrecisionState) else x,
+        opt_state, is_leaf=lambda x: isinstance(x, MixedPrecisionState))
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ def run_pmap(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
     return rstate, metrics
 
 
-def run_jit_sharded(state, batch, steps, loss_fn=mse_loss):
-    step = jax.jit(jaxamp.make_train_step(loss_fn))
+def run_jit_sharded(state, batch, steps, loss_fn=mse_loss, **step_kwargs):
+    step = jax.jit(jaxamp.make_train_step(loss_fn, **step_kwargs))
     state = jax.device_put(state, replicated_sharding())
     sharded = jaxamp.parallel.put_sharded(batch)
     assert len(sharded["x"].sharding.device_set) == N_DEVICES
@@ -1003,3 +1003,95 @@ def test_a_loss_that_returns_a_tuple_without_has_aux_is_named():
     # a loss with **kwargs, or a default, is taken as it is
     jaxamp.make_train_step(lambda params, batch, **kw: mse_loss(params, batch))
     jaxamp.make_train_step(lambda params, batch, model_state=None: mse_loss(params, batch))
+
+
+# --------------------------------------------------------------------------------------------
+# retry_on_overflow: an overflow that costs no update
+# --------------------------------------------------------------------------------------------
+
+def _overflowing_state(scale=2.0**20, **kw):
+    """fp16 gradients of the MLP overflow at 2**20 and at each half of it down to 2**17: the
+    step at 2**16 is the first finite one (four backoffs)."""
+    return make_state("mixed_float16", inner=optax.adam(1e-2),
+                      loss_scale=jaxamp.DynamicLossScale(loss_scale=scale, **kw))
+
+
+def test_the_overflowing_scale_needs_four_backoffs():
+    _, metrics = run_jit(_overflowing_state(), make_batch(), 6)
+    assert [bool(m["grads_finite"]) for m in metrics] == [False] * 4 + [True] * 2
+    assert float(metrics[-1]["loss_scale"]) == 2.0**16
+
+
+@pytest.mark.parametrize("layout", ["jit", "pmap", "sharded jit", "accumulation"])
+def test_retry_on_overflow_applies_every_step_as_fp32_does(layout):
+    """Each overflow is retried within its step: the run applies as many updates as the fp32
+    run, where the run without retries skips its first steps; the scale backs off as those
+    skips backed it off, and the retries are counted."""
+    batch, steps = make_batch(), 4
+    run = {"jit": run_jit, "pmap": run_pmap, "sharded jit": run_jit_sharded,
+           "accumulation": lambda *a, **k: run_jit(*a, accum_steps=2, **k)}[layout]
+
+    def on_one(state, metrics):
+        if layout != "pmap":
+            return state, metrics
+        assert_replicas_identical(state)
+        return jaxamp.parallel.unreplicate(state), [jax.tree.map(lambda x: x[0], m)
+                                                    for m in metrics]
+    skipping, skip_metrics = on_one(*run(_overflowing_state(), batch, steps + 8))
+    skips = int(mp_state(skipping).health.skipped_steps)
+    assert skips >= 4 and not any(bool(m["grads_finite"]) for m in skip_metrics[:skips])
+    state, metrics = on_one(*run(_overflowing_state(), batch, steps, retry_on_overflow=8))
+    fp32, _ = run_jit(make_state("float32", inner=optax.adam(1e-2)), batch, steps)
+    health = mp_state(state).health
+    assert int(health.applied_steps) == int(mp_state(fp32).health.applied_steps) == steps
+    assert int(health.skipped_steps) == 0
+    assert [int(m["retries"]) for m in metrics] == [skips, 0, 0, 0]
+    assert [float(m["loss_scale"]) for m in metrics] == [
+        float(skip_metrics[skips]["loss_scale"])] * steps
+    assert all(bool(m["grads_finite"]) for m in metrics)
+    # A retry is the step it stands for: the first step is the one taken at the backed-off
+    # scale outright (up to XLA's fusion of the loop's body: fp16 gradients).
+    retried, _ = on_one(*run(_overflowing_state(), batch, 1, retry_on_overflow=8))
+    outright, _ = on_one(*run(_overflowing_state(2.0**20 / 2**skips), batch, 1))
+    mp_r, mp_o = mp_state(retried), mp_state(outright)
+    assert float(mp_r.loss_scale.loss_scale) == float(mp_o.loss_scale.loss_scale)
+    assert_tree_allclose((retried.params, mp_r.master.params, mp_r.inner_state),
+                         (outright.params, mp_o.master.params, mp_o.inner_state),
+                         rtol=2e-3, atol=1e-6)
+
+
+def test_overflow_retry_counts_zero_on_a_step_at_the_scale_that_holds():
+    state, metrics = run_jit(_overflowing_state(2.0**10), make_batch(), 2,
+                             retry_on_overflow=3)
+    assert [int(m["retries"]) for m in metrics] == [0, 0]
+    assert int(mp_state(state).health.applied_steps) == 2
+
+
+def test_a_step_that_still_overflows_after_its_retries_is_skipped_bit_for_bit():
+    """An inf in the batch overflows at every scale: after 2 retries the step is skipped, its
+    state as it was but the scale, backed off three times (twice retrying, once skipping)."""
+    state = _overflowing_state(2.0**10)
+    step = jax.jit(jaxamp.make_train_step(mse_loss, retry_on_overflow=2))
+    new, m = step(state, poisoned(make_batch(), 0))
+    assert not bool(m["grads_finite"]) and int(m["retries"]) == 2
+    assert float(m["loss_scale"]) == 2.0**8  # the scale of the last try
+    mp0, mp1 = mp_state(state), mp_state(new)
+    assert float(mp1.loss_scale.loss_scale) == 2.0**7
+    assert_tree_bitwise_equal((new.params, mp1.master, mp1.inner_state),
+                              (state.params, mp0.master, mp0.inner_state))
+    assert int(mp1.health.skipped_steps) == 1 and int(mp1.health.applied_steps) == 0
+
+
+def test_no_retry_where_the_overflow_does_not_lower_the_scale():
+    """With a hysteresis budget left, an overflow does not back off: the step is skipped
+    (computing again at the same scale would overflow again); the next one retries."""
+    state = _overflowing_state(2.0**17, hysteresis=2)
+    state, metrics = run_jit(state, make_batch(), 2, retry_on_overflow=True)
+    assert [bool(m["grads_finite"]) for m in metrics] == [False, True]
+    assert [int(m["retries"]) for m in metrics] == [0, 1]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "yes", None])
+def test_bad_retry_on_overflow_is_refused(value):
+    with pytest.raises(ValueError, match="retry_on_overflow must be True, False or an int"):
+        jaxamp.make_train_step(mse_loss, retry_on_overflow=value)

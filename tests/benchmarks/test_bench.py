@@ -24,7 +24,8 @@ from benchmarks.__main__ import main
 pytestmark = pytest.mark.xdist_group("tiny_runs")
 
 OVERHEAD_VARIANTS = ["fp32", "bare_bf16", "jmp", "flax_DynamicScale", "optax_apply_if_finite",
-                     "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4"]
+                     "jaxamp_mixed_bf16", "jaxamp_mixed_fp16", "jaxamp_bf16_accum4",
+                     "jaxamp_mixed_fp16_retry"]
 
 
 
@@ -80,6 +81,10 @@ def test_overhead_suite_writes_every_field(tiny_runs):
     # bf16 compute saves fewer activation bytes than fp32; accumulation saves a quarter batch.
     assert by["jaxamp_mixed_bf16"]["saved_mb"] < by["fp32"]["saved_mb"]
     assert by["jaxamp_bf16_accum4"]["saved_mb"] < by["jaxamp_mixed_bf16"]["saved_mb"] / 3
+    retry = by["jaxamp_mixed_fp16_retry"]
+    assert retry["bytes_vs_no_retry"] > 0 and retry["time_vs_no_retry"] > 0
+    lo, hi = (float(x) for x in retry["time_vs_no_retry_iqr"].split("–"))
+    assert lo <= retry["time_vs_no_retry"] <= hi
     assert (out / "overhead.png").stat().st_size > 1000
 
 

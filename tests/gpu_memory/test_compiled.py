@@ -185,6 +185,23 @@ def test_memory_goal_of_a_scanned_transformer_under_autocast(model_remat):
     assert mixed <= 0.6 * fp32, (mixed / fp32, mixed, fp32)
 
 
+def test_retry_on_overflow_costs_no_gpu_memory():
+    """``retry_on_overflow``'s loop holds a second copy of the gradient computation (its
+    GEMMs twice in the program), run only after an overflow: the user's NNX GPT under fp16
+    autocast, compiled for an H200, needs at most 1.01x the bytes of the step without it."""
+    from train.models import nnx_gpt
+    loss_fn, params = nnx_gpt.loss_and_params(vocab=512, width=256, depth=2, heads=4,
+                                              max_len=256)
+    tx = jaxamp.mixed_precision(optax.adamw(1e-3), "mixed_float16")
+    state = jax.eval_shape(lambda p: jaxamp.TrainState.create(params=p, tx=tx), params)
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 257), jnp.int32)}
+    reports = {r: jaxamp.memory.gpu_memory(
+        jaxamp.make_train_step(loss_fn, autocast=True, retry_on_overflow=r), state, batch,
+        donate_argnums=0, target="h200") for r in (False, True)}
+    assert reports[True].total_bytes <= 1.01 * reports[False].total_bytes, reports
+    assert sum(reports[True].gemms.values()) == 2 * sum(reports[False].gemms.values())
+
+
 @pytest.mark.parametrize("model_remat",
                          ["checkpoint", "checkpoint, dots_with_no_batch_dims_saveable"])
 def test_a_model_that_remats_keeps_what_its_remat_keeps_in_less_memory(model_remat):

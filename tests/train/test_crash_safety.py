@@ -147,14 +147,16 @@ def test_kill_9_at_random_points_and_mid_write_then_resume_is_bit_identical(tmp_
         resumed_from = _latest_step(workdir) if (workdir / "checkpoints").exists() else None
         start = resumed_from or 0
         target = start - start % EVERY + 2 * EVERY  # a checkpoint two saves ahead
+        # --resume continues the run in the workdir; the first start has none to continue.
+        resume = ("--resume",) if (workdir / "config.json").exists() else ()
         if kill == "random":
-            proc = _start(tmp_path, workdir, "--resume")
+            proc = _start(tmp_path, workdir, *resume)
             # At least one checkpoint past the start: a row is logged after the save before it.
             rows = max(_logged_steps(workdir), start) + int(rng.integers(EVERY + 1, 2 * EVERY))
             out = _kill_when_logged(proc, workdir, rows)
         else:
             assert target <= STEPS
-            proc = _start(tmp_path, workdir, "--resume", kill_at=(target, kill))
+            proc = _start(tmp_path, workdir, *resume, kill_at=(target, kill))
             out = proc.communicate(timeout=600)[0]
         assert proc.returncode == -signal.SIGKILL, out[-3000:]
         # The resumed run started from the latest complete checkpoint (never a partial one).
