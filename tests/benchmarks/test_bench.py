@@ -160,7 +160,8 @@ def test_fp8_suite_writes_parity_and_cost(tiny_runs):
     assert {r["granularity"] for r in errors} == {"tensor"}  # --error-granularities' default
     sites = list(dict.fromkeys(r["matmul"] for r in errors))
     assert sites and all(s.startswith("args[0]/") and "kernel" in s for s in sites), sites
-    assert not [s for s in sites if re.search(jaxamp.fp8.KEEP, s)]  # the head stays bf16
+    keep = jaxamp.fp8.CurrentScaling.KEEP
+    assert not [s for s in sites if re.search(keep, s)]  # the head stays bf16
     assert all(0 < r[g] < 0.2 for r in errors for g in ("forward", "grad_lhs", "grad_rhs"))
     assert (out / "fp8_errors.png").stat().st_size > 10_000
 
@@ -522,3 +523,27 @@ def test_a_numerics_run_a_signal_stopped_is_not_recorded(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="wide bf16 seed 0 stopped by a signal at step 7"):
         numerics.run_protocol([("wide", "bf16", 0)], 1500, False, str(path))
     assert numerics.read_runs(str(path)) == []
+
+
+def test_the_preset_tables_are_the_committed_runs():
+    """The master-weights page's and BENCHMARKS.md's table of the lighter state at the CLI's
+    presets is what ``benchmarks.numerics.summarize`` makes of the committed runs."""
+    from benchmarks import numerics
+    rows = read_jsonl(os.path.join(ROOT, "benchmarks/results/numerics_presets_runs.jsonl"))
+    found = {(r["model"], r["arm"]): r for r in numerics.summarize(rows) if r["vs"] == "bf16"}
+    labels = {"fp32": "`float32` (the null)", "stochastic": '`master="stochastic"`',
+              "kahan": '`master="kahan"`', "kahan_bf16_mu": '`"kahan"`, `{"mu": "bfloat16"}`',
+              "kahan_bf16_moments": '`"kahan"`, `"bfloat16"` moments',
+              "kahan_8bit": '`"kahan"`, `"8bit"` moments',
+              "fp8_current": "`mixed_fp8` (its default recipe)"}
+
+    def cell(r):
+        return (f"{r['gap'] * 100:+.2f}% [{r['ci_low'] * 100:+.2f}%, "
+                f"{r['ci_high'] * 100:+.2f}%], {r['seeds']}")
+    for page in ("BENCHMARKS.md", "docs/concepts/master-weights.md"):
+        with open(os.path.join(ROOT, page)) as f:
+            text = f.read()
+        for arm, label in labels.items():
+            want = f"| {cell(found['text', arm])} | {cell(found['mlm', arm])} |"
+            assert any(x.startswith(f"| {label} |") and x.endswith(want)
+                       for x in text.splitlines()), (page, label, want)
