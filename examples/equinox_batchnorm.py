@@ -1,14 +1,14 @@
-"""An Equinox model with ``eqx.nn.BatchNorm`` and ``eqx.nn.Dropout``, trained by
-``jaxamp.make_train_step`` under autocast.
+"""An Equinox model with ``eqx.nn.BatchNorm`` and ``eqx.nn.Dropout``, trained as itself by
+``jaxamp.equinox.make_step`` under autocast.
 
     python examples/equinox_batchnorm.py
 
 ``eqx.nn.make_with_state`` gives the model and its ``eqx.nn.State`` (BatchNorm's running
-statistics): the state is the step's ``model_state``, kept in fp32, and the model's inexact
-arrays (``eqx.partition(model, eqx.is_inexact_array)``) are the params the optimizer trains,
-bf16 working copies of an fp32 master. The model runs per example under ``jax.vmap`` with
-the axis name BatchNorm reduces over; the state goes in and comes back out once per batch.
-Dropout's key comes in as ``rng`` (``has_rng=True``), one per example.
+statistics, kept in fp32); ``jaxamp.equinox.init`` gives the working model (its inexact arrays
+in bf16) and the optimizer state holding their fp32 master. The loss is written against the
+model, as for ``eqx.filter_value_and_grad``: the model runs per example under ``jax.vmap``
+with the axis name BatchNorm reduces over, the state goes in and comes back out once per
+batch, and dropout takes one key per example, split from the step's key.
 """
 
 from __future__ import annotations
@@ -47,43 +47,42 @@ def data(n: int = 256, seed: int = 0):
     return {"x": x, "y": x[:, :3].argmax(-1).astype(np.int32)}
 
 
+def loss_fn(model, state, batch, key):
+    keys = jax.random.split(key, batch["x"].shape[0])
+    logits, state = jax.vmap(lambda x, k, s: model(x, s, key=k), axis_name="batch",
+                             in_axes=(0, 0, None), out_axes=(0, None))(batch["x"], keys, state)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, state
+
+
 def main(steps: int = 60, seed: int = 0) -> dict:
-    model, model_state = eqx.nn.make_with_state(Net)(jax.random.key(seed))
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-
-    def loss_fn(params, batch, model_state, rng):
-        net = eqx.combine(params, static)
-        keys = jax.random.split(rng, batch["x"].shape[0])
-        logits, model_state = jax.vmap(lambda x, k, s: net(x, s, key=k), axis_name="batch",
-                                       in_axes=(0, 0, None), out_axes=(0, None))(
-            batch["x"], keys, model_state)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-        return loss, model_state
-
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(seed))
     tx = jaxamp.mixed_precision(optax.adam(3e-3), "mixed_bfloat16")
-    state = jaxamp.TrainState.create(params=params, tx=tx, model_state=model_state,
-                                     rng=jax.random.key(seed + 1))
-    step = jax.jit(jaxamp.make_train_step(loss_fn, has_model_state=True, has_rng=True,
-                                          autocast=True), donate_argnums=0)
-    batch = data()
-    before = jax.tree.map(np.asarray, state.model_state)
+    model, opt_state = jaxamp.equinox.init(model, tx)
+    step = eqx.filter_jit(jaxamp.equinox.make_step(loss_fn, tx, has_state=True, autocast=True))
+    batch, key = data(), jax.random.key(seed + 1)
+    before = jax.tree.map(np.asarray, state)
     losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
+    for i in range(steps):
+        model, state, opt_state, metrics = step(model, state, opt_state, batch,
+                                                jax.random.fold_in(key, i))
         losses.append(float(metrics["loss"]))
-    audit = jaxamp.audit(step, state, batch)
-    net = eqx.nn.inference_mode(eqx.combine(state.master_params, static))
-    logits, _ = jax.vmap(lambda x: net(x, state.model_state, inference=True))(
-        jnp.asarray(batch["x"]))  # eval: the running statistics, no dropout
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    audit = jaxamp.audit(  # a function of arrays: the module's other leaves held fixed
+        lambda p, *rest: eqx.filter(step(eqx.combine(p, static), *rest), eqx.is_array),
+        params, state, opt_state, batch, key)
+    # Eval: the fp32 master in the model, the running statistics, no dropout.
+    master = jaxamp.state.get_master_params(opt_state, params)
+    net = eqx.nn.inference_mode(eqx.combine(master, model))
+    logits, _ = jax.vmap(lambda x: net(x, state, inference=True))(jnp.asarray(batch["x"]))
     moved = [float(np.abs(np.asarray(a) - b).max()) for a, b in
-             zip(jax.tree.leaves(state.model_state), jax.tree.leaves(before), strict=True)
-             if np.issubdtype(b.dtype, np.floating)]  # not BatchNorm's first-call flag
+             zip(jax.tree.leaves(state), jax.tree.leaves(before), strict=True)
+             if np.issubdtype(b.dtype, np.floating)]  # not BatchNorm's step counter
     return {"first_loss": losses[0], "last_loss": losses[-1],
             "accuracy": float(jnp.mean(logits.argmax(-1) == batch["y"])),
             "bf16_share": audit.share("bfloat16"),
-            "params_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(state.params)}),
-            "batch_stats_dtypes": sorted({str(s.dtype) for s in
-                                          jax.tree.leaves(state.model_state)
+            "params_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(params)}),
+            "batch_stats_dtypes": sorted({str(s.dtype) for s in jax.tree.leaves(state)
                                           if jnp.issubdtype(s.dtype, jnp.floating)}),
             "batch_stats_moved": min(moved)}
 

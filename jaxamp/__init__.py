@@ -32,8 +32,13 @@ The rest lives in public subpackages:
   (:func:`find_state`, ``get_loss_scale``, ``policy_of``, ``working_params``,
   ``next_working_params``);
 * ``jaxamp.memory``: the memory planner, :func:`jaxamp.memory.gpu_memory`: the memory a step
-  needs on a GPU, compiled by XLA:GPU on a machine without one.
+  needs on a GPU, compiled by XLA:GPU on a machine without one;
+* ``jaxamp.equinox``: training an Equinox module itself (``init``, ``make_step``,
+  ``filter_value_and_grad``), loaded on first use: Equinox is an optional dependency.
 """
+
+from typing import TYPE_CHECKING
+from typing import Any
 
 from jaxamp import _versions
 from jaxamp import fp8
@@ -70,6 +75,9 @@ from jaxamp._policy import resolve_auto
 from jaxamp._train_step import TrainState
 from jaxamp._train_step import make_train_step
 
+if TYPE_CHECKING:  # loaded by __getattr__ on first use (it imports equinox)
+    from jaxamp import equinox
+
 __version__ = "0.1.0"
 
 __all__ = (
@@ -89,6 +97,7 @@ __all__ = (
     "audit",
     "audit_grad",
     "autocast",
+    "equinox",
     "explain_overflow",
     "find_state",
     "fp8",
@@ -109,3 +118,10 @@ __all__ = (
 )
 
 _versions.check()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "equinox":  # an optional dependency: imported on first use, never by jaxamp
+        import importlib
+        return importlib.import_module("jaxamp.equinox")
+    raise AttributeError(f"module 'jaxamp' has no attribute {name!r}")

@@ -1738,6 +1738,17 @@ def test_shard_map_inside_and_outside_an_autocast_function():
                                rtol=1e-5)
 
 
+def test_a_constant_the_function_returns_comes_back_an_array_in_its_dtype():
+    """A constant output is a literal of the jaxpr (BatchNorm's first-call flag in the state it
+    returns): an array, as the function returns it, never a Python scalar that a skipped
+    step's per-leaf select would let through."""
+    for wrap in (lambda f: f, jax.jit):
+        out = wrap(jaxamp.autocast(lambda x: (x * 2, jnp.array(False), jnp.array(1.5))))(
+            jnp.ones(2))
+        assert [str(np.asarray(o).dtype) for o in out] == ["float32", "bool", "float32"]
+        assert all(hasattr(o, "dtype") for o in out) and bool(out[1]) is False
+
+
 # --------------------------------------------------------------------------------------------
 # docs/concepts/autocast.md: every claim has a test
 # --------------------------------------------------------------------------------------------

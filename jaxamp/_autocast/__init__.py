@@ -127,13 +127,14 @@ from jaxamp._autocast._context import _Context
 from jaxamp._autocast._context import _Facts
 from jaxamp._autocast._interpreter import _evaluate
 from jaxamp._autocast._recompute import _DEBUG_CALLBACKS
+from jaxamp._autocast._recompute import _holds_no_remat
 from jaxamp._autocast._recompute import _Memory
 from jaxamp._autocast._recompute import _Recomputing
-from jaxamp._autocast._recompute import _holds_no_remat
 from jaxamp._autocast._rules import _RULES
 from jaxamp._autocast._rules import DEFAULT_RULES
 from jaxamp._autocast._rules import _in_scopes
 from jaxamp._fp8 import CurrentScaling
+from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import sub_jaxprs as _sub_jaxprs
 from jaxamp._jaxpr import walk
 from jaxamp._policy import get_policy
@@ -261,11 +262,22 @@ def autocast(fn: Callable, policy: Any = "mixed_bfloat16", *,
             memory.arguments(facts, arrays)
             ctx = context(call=_Call(facts, memory, scopes_seen))
             outs = _evaluate(ctx, closed.jaxpr, list(closed.consts), list(arrays), "")
+            outs = [_output(x, v) for x, v in zip(outs, closed.jaxpr.outvars, strict=True)]
             return [_cast(x, policy.output_dtype) for x in outs]
         outs = memory.around(evaluate)(*arrays)
         _warn_unmatched_scopes(fp32_scopes, scope_rules, scopes_seen)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     return wrapped
+
+
+def _output(x: Any, v: Any) -> Any:
+    """The value of the outvar ``v``: a constant that fn returns (BatchNorm's first-call flag
+    in its new state) is a literal of the jaxpr, and comes back an array, as fn returns it,
+    never a Python scalar."""
+    if not isinstance(v, Literal):
+        return x
+    aval: Any = v.aval  # a ShapedArray: the literal's dtype
+    return jnp.array(x, aval.dtype)
 
 
 def _trace(flat_fn: Callable, arrays: list) -> tuple[Any, Any]:
