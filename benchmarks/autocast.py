@@ -126,7 +126,7 @@ def _models(tiny: bool) -> dict:
             f"(d) Equinox MLP{suffix}": lambda: _equinox(tiny)}
 
 
-def _row(model: str, variant: str, report: jaxamp.AuditReport, fp32_saved: int) -> dict:
+def _row(model: str, variant: str, report: jaxamp.reports.AuditReport, fp32_saved: int) -> dict:
     return {"model": model, "variant": variant, "bf16_share": report.share("bfloat16"),
             "fp32_share": report.fp32_matmul_share,
             "half_sensitive_ops": len(report.half_sensitive_ops),

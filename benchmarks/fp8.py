@@ -214,10 +214,10 @@ def run(args) -> dict:
         steps = 4 if tiny else args.steps
         granularities = tuple(g for g in getattr(args, "error_granularities", "tensor")
                               .split(",") if g)
-        unknown = sorted(set(granularities) - set(jaxamp.fp8.GRANULARITIES))
+        unknown = sorted(set(granularities) - set(jaxamp.fp8.CurrentScaling.GRANULARITIES))
         if unknown:
             raise ValueError(f"unknown granularity {', '.join(unknown)}; expected some of "
-                             f"{', '.join(jaxamp.fp8.GRANULARITIES)}")
+                             f"{', '.join(jaxamp.fp8.CurrentScaling.GRANULARITIES)}")
         errors = _errors(steps, 2 if tiny else args.errors_every, tiny, granularities)
         harness.write_outputs(
             "fp8_errors", errors, ["step", "granularity", "matmul", "shapes", "forward",

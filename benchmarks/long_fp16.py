@@ -88,7 +88,7 @@ def train_run(precision: str, *, steps: int, growth_interval: int, batch_size: i
         "scale_config": {name: getattr(final_scale, name, None) for name in (
             "growth_interval", "growth_factor", "backoff_factor", "min_scale", "max_scale",
             "hysteresis", "hysteresis_refill")},
-        "skipped_steps": int(jaxamp.find_state(state.opt_state).health.skipped_steps),
+        "skipped_steps": int(jaxamp.state.find_state(state.opt_state).health.skipped_steps),
         "eval_loss": float(optax.softmax_cross_entropy_with_integer_labels(logits, labels)
                            .mean()),
         "eval_accuracy": float((logits.argmax(-1) == labels).mean()),

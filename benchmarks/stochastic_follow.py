@@ -34,7 +34,7 @@ def spacing(x: np.ndarray) -> np.ndarray:
 
 
 def _masters(state: Any) -> list[np.ndarray]:
-    master = jaxamp.find_state(state.opt_state).master.params
+    master = jaxamp.state.find_state(state.opt_state).master.params
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(master)]
 
 

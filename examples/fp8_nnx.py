@@ -64,12 +64,12 @@ def train(recipe: str, steps: int, seed: int = 0) -> dict:
         return loss_fn(params, state.policy.cast_to_compute(batch), model_state)[0]
     audited = jaxamp.autocast(loss_only, "mixed_fp8") if recipe == "current" else loss_only
     report = jaxamp.audit_grad(audited, state.params, batch, state.model_state)
-    metas = jaxamp.fp8.find_fp8_states(state.model_state)
+    metas = jaxamp.fp8.Fp8State.find_all(state.model_state)
     return {"first_loss": losses[0], "last_loss": losses[-1],
             "fp8_share": report.fp8_matmul_share, "fp8_states": len(metas),
             "input_amax_history": [float(a) for a in metas[0].amax_history[0, :3]]
             if metas else [],
-            "skipped_steps": int(jaxamp.find_state(state.opt_state).health.skipped_steps)}
+            "skipped_steps": int(jaxamp.state.find_state(state.opt_state).health.skipped_steps)}
 
 
 def main(steps: int = 200) -> dict:

@@ -4,7 +4,7 @@
 
 jaxamp's optimizer wrapper is a plain optax transform: flax's ``TrainState.apply_gradients``
 drives it. The only change to a standard Linen loop is the loss: differentiate
-``jaxamp.scale_loss(loss, state.opt_state)``; skipped steps and the loss scale happen inside.
+``jaxamp.state.scale_loss(loss, state.opt_state)``; skipped steps and the loss scale happen inside.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main(steps: int = 200, seed: int = 0) -> dict:
             logits = state.apply_fn({"params": params}, policy.cast_to_compute(xb))
             loss = optax.softmax_cross_entropy_with_integer_labels(
                 logits.astype(jnp.float32), yb).mean()
-            return jaxamp.scale_loss(loss, state.opt_state), loss
+            return jaxamp.state.scale_loss(loss, state.opt_state), loss
         grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), loss
 
@@ -55,7 +55,7 @@ def main(steps: int = 200, seed: int = 0) -> dict:
         rng, sub = jax.random.split(rng)
         idx = jax.random.randint(sub, (128,), 0, len(x))
         state, loss = step(state, x[idx], y[idx])
-    mp = jaxamp.find_state(state.opt_state)
+    mp = jaxamp.state.find_state(state.opt_state)
     logits = model.apply({"params": state.params}, policy.cast_to_compute(x))
     out = {"loss": float(loss), "accuracy": float(jnp.mean(jnp.argmax(logits, -1) == y)),
            "loss_scale": float(mp.loss_scale.loss_scale),

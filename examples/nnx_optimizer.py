@@ -5,7 +5,7 @@
 The model is built with NNX's defaults (fp32 params). ``nnx.Optimizer`` is created first, so
 that the fp32 master weights in its state start from the fp32 init; then the model's params
 become the bf16 working copy, and every ``nnx.Linear`` (``dtype=None``) computes in the dtype of
-its bf16 inputs and params. The loss is differentiated through ``jaxamp.scale_loss`` and
+its bf16 inputs and params. The loss is differentiated through ``jaxamp.state.scale_loss`` and
 ``optimizer.update`` does the rest: the fp32 update, the skip of a non-finite step, and the
 new bf16 working params.
 """
@@ -39,7 +39,7 @@ def train_step(model: MLP, optimizer: nnx.Optimizer, x_Bx4, y_B):
     def loss_fn(model):
         pred_B = model(x_Bx4.astype(jnp.bfloat16))[:, 0].astype(jnp.float32)  # loss in fp32
         loss = jnp.mean((pred_B - y_B) ** 2)
-        return jaxamp.scale_loss(loss, optimizer.opt_state), loss
+        return jaxamp.state.scale_loss(loss, optimizer.opt_state), loss
     (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     optimizer.update(model, grads)
     return loss
@@ -54,7 +54,7 @@ def main(steps: int = 200, seed: int = 0) -> dict:
     x, y = regression_data()
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(steps)]
     working = jax.tree.leaves(nnx.state(model, nnx.Param))
-    master = jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state))
+    master = jax.tree.leaves(jaxamp.state.get_master_params(optimizer.opt_state))
     out = {"first_loss": losses[0], "last_loss": losses[-1],
            "params_dtypes": sorted({str(w.dtype) for w in working}),
            "master_dtypes": sorted({str(m.dtype) for m in master}),
@@ -63,7 +63,7 @@ def main(steps: int = 200, seed: int = 0) -> dict:
                bool(jnp.array_equal(w, m.astype(w.dtype))) for w, m in zip(working, master,
                                                                             strict=True)),
            "output_dtype": str(model(x.astype(jnp.bfloat16)).dtype),
-           "skipped_steps": int(jaxamp.find_state(optimizer.opt_state).health.skipped_steps)}
+           "skipped_steps": int(jaxamp.state.find_state(optimizer.opt_state).health.skipped_steps)}
     print(out)
     return out
 

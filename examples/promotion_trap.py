@@ -45,7 +45,7 @@ def _xent(logits_BxK, labels_B):
         logits_BxK.astype(jnp.float32), labels_B).mean()
 
 
-def _figures(report: jaxamp.AuditReport) -> dict:
+def _figures(report: jaxamp.reports.AuditReport) -> dict:
     return {"bf16_share": report.share("bfloat16"), "fp32_share": report.fp32_matmul_share,
             "fp32_sources": list(report.fp32_sources), "matmul_flops": report.total_matmul_flops}
 

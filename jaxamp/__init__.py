@@ -5,12 +5,12 @@ the optax optimizer state, and a jit-compiled dynamic loss scale runs inside the
 
 The core is re-exported here, one private module per concept:
 
-* ``_policy``: :class:`Policy`, :func:`get_policy` and the presets;
+* ``_policy``: :class:`Policy` (its presets, ``Policy.PRESETS``, and what ``"auto"`` means on
+  a device, ``Policy.resolve_auto``) and :func:`get_policy`;
 * ``_loss_scale``: the three loss scales;
-* ``_master_weights``: :func:`mixed_precision`, the optax transform that holds the fp32 master,
-  and the functions that read its state; ``_storage``: where the master lives (``master=``);
-  ``_moments``: how the inner optimizer's moments are stored (``moments_dtype=``,
-  :func:`quantized_moments`);
+* ``_master_weights``: :func:`mixed_precision`, the optax transform that holds the fp32 master;
+  ``_storage``: where the master lives (``master=``); ``_moments``: how the inner optimizer's
+  moments are stored (``moments_dtype=``, :func:`quantized_moments`);
 * ``_train_step``: :class:`TrainState` and :func:`make_train_step`;
 * ``_autocast``: :func:`autocast`, per-op dtype rules for any unmodified model;
 * ``_audit`` and ``_overflow``: the precision audit and the overflow diagnosis;
@@ -19,6 +19,12 @@ The core is re-exported here, one private module per concept:
 
 The rest lives in public subpackages:
 
+* ``jaxamp.state``: the state of :func:`mixed_precision` and its readers, for a train step
+  written by hand (``MixedPrecisionState``, ``find_state``, ``scale_loss``,
+  ``get_master_params``, ``next_working_params``, ...) and the ``master=`` options
+  (``MASTERS``);
+* ``jaxamp.reports``: the reports the diagnostics return (``AuditReport``, ``OverflowReport``
+  and its ``OverflowEvent``), to name in annotations;
 * ``jaxamp.parallel``: laying a state and a batch out for ``pmap`` or a sharded ``jit``, and
   the sharded (ZeRO) state;
 * ``jaxamp.fp8``: FP8 matmuls, with current scaling (autocast's ``mixed_fp8``) or delayed
@@ -28,9 +34,6 @@ The rest lives in public subpackages:
   the backward pass, for hand-built models;
 * ``jaxamp.rounding``: stochastic rounding and the Kahan split of the ``"kahan"`` master;
 * ``jaxamp.gradients``: one pass over the gradients (finite check, norm, the first bad leaf);
-* ``jaxamp.state``: reading the state of :func:`mixed_precision` in a train step written by hand
-  (:func:`find_state`, ``get_loss_scale``, ``policy_of``, ``working_params``,
-  ``next_working_params``);
 * ``jaxamp.memory``: the memory planner, :func:`jaxamp.memory.gpu_memory`: the memory a step
   needs on a GPU, compiled by XLA:GPU on a machine without one;
 * ``jaxamp.equinox``: training an Equinox module itself (``init``, ``make_step``,
@@ -46,9 +49,9 @@ from jaxamp import gradients
 from jaxamp import memory
 from jaxamp import ops
 from jaxamp import parallel
+from jaxamp import reports
 from jaxamp import rounding
 from jaxamp import state
-from jaxamp._audit import AuditReport
 from jaxamp._audit import audit
 from jaxamp._audit import audit_grad
 from jaxamp._autocast import autocast
@@ -57,21 +60,12 @@ from jaxamp._loss_scale import DynamicLossScale
 from jaxamp._loss_scale import LossScale
 from jaxamp._loss_scale import NoOpLossScale
 from jaxamp._loss_scale import StaticLossScale
-from jaxamp._master_weights import MASTERS
-from jaxamp._master_weights import MixedPrecisionState
-from jaxamp._master_weights import find_state
-from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import mixed_precision
-from jaxamp._master_weights import scale_loss
 from jaxamp._moments import quantized_moments
 from jaxamp._objective import Objective
-from jaxamp._overflow import OverflowEvent
-from jaxamp._overflow import OverflowReport
 from jaxamp._overflow import explain_overflow
-from jaxamp._policy import PRESETS
 from jaxamp._policy import Policy
 from jaxamp._policy import get_policy
-from jaxamp._policy import resolve_auto
 from jaxamp._train_step import TrainState
 from jaxamp._train_step import make_train_step
 
@@ -81,16 +75,10 @@ if TYPE_CHECKING:  # loaded by __getattr__ on first use (it imports equinox)
 __version__ = "0.1.0"
 
 __all__ = (
-    "AuditReport",
     "DynamicLossScale",
     "LossScale",
-    "MASTERS",
-    "MixedPrecisionState",
     "NoOpLossScale",
     "Objective",
-    "OverflowEvent",
-    "OverflowReport",
-    "PRESETS",
     "Policy",
     "StaticLossScale",
     "TrainState",
@@ -99,10 +87,8 @@ __all__ = (
     "autocast",
     "equinox",
     "explain_overflow",
-    "find_state",
     "fp8",
     "full_precision",
-    "get_master_params",
     "get_policy",
     "gradients",
     "make_train_step",
@@ -111,9 +97,8 @@ __all__ = (
     "ops",
     "parallel",
     "quantized_moments",
-    "resolve_auto",
+    "reports",
     "rounding",
-    "scale_loss",
     "state",
 )
 

@@ -1,6 +1,7 @@
 """The core of FP8 matmuls: the formats, the quantizers, the two recipes, the scaled
 ``dot_general`` functions and the delayed-scaling state (private; :mod:`jaxamp.fp8` is the
-public module, which adds the error report and the NNX layers)."""
+public module, which adds the error report and the NNX layers). The recipes carry the options
+they accept (``CurrentScaling.GRANULARITIES``, ...); the quantizers are the library's own."""
 
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ from jaxamp._tree import static_field
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
+# The options of the recipes, public as their class attributes (CurrentScaling.FORMATS, ...).
 FORMATS: dict[str, tuple[Any, Any]] = {"hybrid": (E4M3, E5M2), "e4m3": (E4M3, E4M3),
                                        "e5m2": (E5M2, E5M2)}
-"""Format name -> (forward operands' dtype, gradient's dtype)."""
 AMAX_ALGOS = ("max", "most_recent")
-"""How a delayed scale reads the ``amax`` history: its maximum, or the latest entry."""
 _F32 = jnp.float32
 _ROWS = ("lhs", "rhs", "grad")
 RESIDUAL_NAME = "jaxamp_fp8_residual"  # jax.checkpoint names of what an FP8 matmul keeps
@@ -50,19 +50,9 @@ def _check_margin(margin: Any) -> None:
 
 
 GRANULARITIES = ("tensor", "rowwise", "blocks", "mxfp8")
-"""How many scales a matmul's operand gets: one per tensor; one per row along the contraction
-(``rowwise``); one per ``1 x 128`` tile of the contraction axis, ``128 x 128`` for the forward's
-rhs (``blocks``, DeepSeek-V3's recipe); one power-of-two scale per ``1 x 32`` tile (``mxfp8``)."""
 _BLOCK_SIZES = {"blocks": 128, "mxfp8": 32}
 WEIGHT_GRADS = ("fp8", "high")
-"""The weight-gradient GEMM (the forward rhs's gradient) in FP8, or in the operands' own dtype
-(``"high"``: torchao's ``rowwise_with_gw_hp``)."""
-
-
 KEEP = r"(?i)embed|(^|/)(lm_)?head(/|$)|unembed|logits|(^|/)wte(/|$)"
-"""The argument paths whose matmuls :func:`jaxamp.autocast` keeps in the compute dtype under an
-FP8 policy by default: embedding tables (an ``attend``/tied output projection reads one) and
-output heads (``head``, ``lm_head``, ``unembed``, ``logits``, GPT-2's ``wte``)."""
 
 
 def _check_power_of_two(p: Any) -> None:
@@ -80,7 +70,7 @@ class CurrentScaling:
         ``"hybrid"`` for per-tensor scales, ``"e4m3"`` (every tensor, gradients too) for the
         fine granularities, as the recipes that use them do.
       margin: the scale is divided by ``2**margin`` (headroom against saturation).
-      granularity: one of :data:`GRANULARITIES`. ``"tensor"`` (default): one scale per
+      granularity: one of :attr:`GRANULARITIES`. ``"tensor"`` (default): one scale per
         operand. ``"rowwise"``: one per row of each operand along its contraction axes, in each
         of the three GEMMs (the backward pass quantizes the saved operands again along its own
         contraction axes). ``"blocks"``: one per ``1 x block_size`` tile of the last contraction
@@ -96,7 +86,7 @@ class CurrentScaling:
       keep: under :func:`jaxamp.autocast`, a regex (``re.search``) of the argument paths
         (``tree_path_str``: ``0/0/head/kernel``) whose matmuls stay in the compute dtype: a
         matmul with an operand read from a matching argument (through casts, reshapes and
-        transposes) is not quantized. Default :data:`KEEP`: the embeddings and the output
+        transposes) is not quantized. Default :attr:`KEEP`: the embeddings and the output
         head, as the anchors' recipes keep them. ``""``: none.
       batched: under :func:`jaxamp.autocast`, whether a matmul with batch dimensions between
         two computed values (the attention's ``q k^T`` and ``p v``) runs in FP8. Default
@@ -113,25 +103,44 @@ class CurrentScaling:
     >>> r = CurrentScaling(granularity="mxfp8")
     >>> r.format, r.block_size, r.power_of_two
     ('e4m3', 32, True)
+    >>> CurrentScaling.GRANULARITIES
+    ('tensor', 'rowwise', 'blocks', 'mxfp8')
     """
 
+    FORMATS: ClassVar[dict[str, tuple[Any, Any]]] = FORMATS
+    """Format name -> (forward operands' dtype, gradient's dtype): ``"hybrid"`` (e4m3, e5m2),
+    ``"e4m3"`` and ``"e5m2"``."""
+    GRANULARITIES: ClassVar[tuple[str, ...]] = GRANULARITIES
+    """The ``granularity`` options: one scale per tensor; one per row along the contraction
+    (``rowwise``); one per ``1 x 128`` tile of the contraction axis, ``128 x 128`` for the
+    forward's rhs (``blocks``, DeepSeek-V3's recipe); one power-of-two scale per ``1 x 32`` tile
+    (``mxfp8``)."""
+    WEIGHT_GRADS: ClassVar[tuple[str, ...]] = WEIGHT_GRADS
+    """The ``weight_grad`` options: the weight-gradient GEMM (the forward rhs's gradient) in FP8,
+    or in the operands' own dtype (``"high"``: torchao's ``rowwise_with_gw_hp``)."""
+    KEEP: ClassVar[str] = KEEP
+    """The default ``keep``: the argument paths whose matmuls :func:`jaxamp.autocast` keeps in
+    the compute dtype under an FP8 policy, embedding tables (an ``attend``/tied output
+    projection reads one) and output heads (``head``, ``lm_head``, ``unembed``, ``logits``,
+    GPT-2's ``wte``)."""
+
     format: str = None  # type: ignore[assignment]  # resolved in __post_init__
-    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients), ``"e4m3"`` or
+    """A key of :attr:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients), ``"e4m3"`` or
     ``"e5m2"``; by default ``"hybrid"`` for ``granularity="tensor"``, else ``"e4m3"``."""
     margin: int = 0
     """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
     granularity: str = "tensor"
-    """One of :data:`GRANULARITIES`: how many scales each operand gets."""
+    """One of :attr:`GRANULARITIES`: how many scales each operand gets."""
     block_size: int | None = None
     """The tile length of ``"blocks"`` (128 by default) and ``"mxfp8"`` (32); ``None`` else."""
     power_of_two: bool = None  # type: ignore[assignment]  # resolved in __post_init__
     """Whether scales are rounded down to a power of two (default: only for ``"mxfp8"``)."""
     weight_grad: str = "fp8"
     """``"fp8"`` or ``"high"``: the forward rhs's gradient GEMM in FP8 or in the operands'
-    dtype (one of :data:`WEIGHT_GRADS`)."""
+    dtype (one of :attr:`WEIGHT_GRADS`)."""
     keep: str | None = None  # type: ignore[assignment]  # resolved in __post_init__
     """Under autocast: a regex of the argument paths whose matmuls stay in the compute dtype
-    (default :data:`KEEP`, the embeddings and the head; ``""``: none)."""
+    (default :attr:`KEEP`, the embeddings and the head; ``""``: none)."""
     batched: bool = False
     """Under autocast: whether batched matmuls of two computed values (attention) run in FP8."""
 
@@ -195,23 +204,30 @@ class DelayedScaling:
       amax_algo: ``"max"`` (the history's maximum; default) or ``"most_recent"``.
       power_of_two: round each scale down to a power of two (default ``False``).
 
-    >>> DelayedScaling(history_length=16).amax_algo
-    'max'
+    >>> DelayedScaling(history_length=16).amax_algo, DelayedScaling.AMAX_ALGOS
+    ('max', ('max', 'most_recent'))
     >>> DelayedScaling(history_length=0)
     Traceback (most recent call last):
     ...
     ValueError: history_length must be an int >= 1, got 0; ...
     """
 
+    FORMATS: ClassVar[dict[str, tuple[Any, Any]]] = FORMATS
+    """Format name -> (forward operands' dtype, gradient's dtype): ``"hybrid"`` (e4m3, e5m2),
+    ``"e4m3"`` and ``"e5m2"``."""
+    AMAX_ALGOS: ClassVar[tuple[str, ...]] = AMAX_ALGOS
+    """The ``amax_algo`` options: how a delayed scale reads the ``amax`` history, its maximum
+    or the latest entry."""
+
     history_length: int = 16
     """The number of past steps' ``amax`` kept for each tensor (default 16)."""
     margin: int = 0
     """An int >= 0: every scale is divided by ``2**margin`` (headroom against saturation)."""
     format: str = "hybrid"
-    """A key of :data:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default),
+    """A key of :attr:`FORMATS`: ``"hybrid"`` (e4m3 forward, e5m2 gradients; default),
     ``"e4m3"`` or ``"e5m2"``."""
     amax_algo: str = "max"
-    """How a scale reads the history (one of :data:`AMAX_ALGOS`): ``"max"``, its maximum
+    """How a scale reads the history (one of :attr:`AMAX_ALGOS`): ``"max"``, its maximum
     (default), or ``"most_recent"``, the latest step's ``amax``."""
     power_of_two: bool = False
     """Whether scales are rounded down to a power of two."""
@@ -655,6 +671,9 @@ class Fp8State(State, _model_state.Node):
     >>> s = Fp8State.create(DelayedScaling(history_length=4))
     >>> s.amax_history.shape, s.scale.tolist()
     ((3, 4), [1.0, 1.0, 1.0])
+
+    A model's states are found, and put back, in tree order by :meth:`find_all` and
+    :meth:`replace_all`; the train step rolls each one with :meth:`update`.
     """
 
     amax_history: jax.Array
@@ -698,13 +717,46 @@ class Fp8State(State, _model_state.Node):
         unscaled)."""
         return seen_amax(self, scale)
 
-    def update(self, seen: jax.Array) -> Fp8State:
-        """The state after a step that saw ``seen`` (:func:`update_fp8_state`)."""
+    def update(self, seen: ArrayLike) -> Fp8State:
+        """The state after a step that saw ``seen`` (``(..., 3)``: the lhs, rhs and unscaled
+        gradient ``amax``): the history rolled by one with ``seen`` in column 0, and the scales
+        recomputed from it (``amax_algo``, ``margin``, the format's maxima). A zero, inf or NaN
+        ``amax`` keeps the row's previous scale. A matmul that saw nothing (all three zero: it
+        did not run this step) is left as it was.
+
+        >>> s = Fp8State.create(DelayedScaling(history_length=3))
+        >>> s = s.update(jnp.array([2.0, 4.0, 0.5]))
+        >>> s.amax_history[:, 0].tolist(), s.scale.tolist()
+        ([2.0, 4.0, 0.5], [224.0, 112.0, 114688.0])
+        """
         return update_fp8_state(self, seen)
 
     def nothing_seen(self) -> jax.Array:
         """The amax of a step where this matmul did not run: zeros."""
         return jnp.zeros_like(self.scale)
+
+    @classmethod
+    def find_all(cls, tree: Any) -> list[Fp8State]:
+        """Every :class:`Fp8State` in ``tree`` (a model state, ``nnx.state(model,
+        jaxamp.fp8.Fp8Meta)``), in tree order.
+
+        >>> states = {"b": Fp8State.create(DelayedScaling(history_length=2)), "a": [1.0]}
+        >>> [s.amax_history.shape for s in Fp8State.find_all(states)]
+        [(3, 2)]
+        """
+        return find_fp8_states(tree)
+
+    @classmethod
+    def replace_all(cls, tree: Any, states: Sequence[Fp8State]) -> Any:
+        """``tree`` with its :class:`Fp8State` nodes replaced, in tree order, by ``states`` (as
+        many as it holds: :meth:`find_all`'s list, changed).
+
+        >>> tree = {"a": Fp8State.create(DelayedScaling(history_length=2))}
+        >>> new = [s.update(jnp.array([1.0, 1.0, 1.0])) for s in Fp8State.find_all(tree)]
+        >>> Fp8State.replace_all(tree, new)["a"].scale.tolist()
+        [448.0, 448.0, 57344.0]
+        """
+        return replace_fp8_states(tree, states)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -749,7 +801,7 @@ def delayed_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
                         ) -> jax.Array:
     """``lax.dot_general`` in FP8 with the scales of ``state`` (the functional core of
     :class:`DotGeneral`). Differentiating with respect to ``state`` gives, at its ``scale``,
-    the ``amax`` of the lhs, the rhs and the gradient: :func:`update_fp8_state` rolls them in.
+    the ``amax`` of the lhs, the rhs and the gradient: :meth:`Fp8State.update` rolls them in.
 
     >>> s = Fp8State.create(DelayedScaling(history_length=4))
     >>> x, w, dims = jnp.full((2, 3), 2.0), jnp.full((3, 4), 0.5), (((1,), (0,)), ((), ()))
@@ -771,17 +823,7 @@ def delayed_dot_general(lhs: ArrayLike, rhs: ArrayLike, dimension_numbers: Any,
 
 
 def update_fp8_state(state: Fp8State, seen: ArrayLike) -> Fp8State:
-    """The state after a step that saw ``seen`` (``(..., 3)``: the lhs, rhs and unscaled
-    gradient ``amax``): the history rolled by one with ``seen`` in column 0, and the scales
-    recomputed from it (``amax_algo``, ``margin``, the format's maxima). A zero, inf or NaN
-    ``amax`` keeps the row's previous scale. A matmul that saw nothing (all three zero: it did
-    not run this step) is left as it was.
-
-    >>> s = Fp8State.create(DelayedScaling(history_length=3))
-    >>> s = update_fp8_state(s, jnp.array([2.0, 4.0, 0.5]))
-    >>> s.amax_history[:, 0].tolist(), s.scale.tolist()
-    ([2.0, 4.0, 0.5], [224.0, 112.0, 114688.0])
-    """
+    """:meth:`Fp8State.update`: the state after a step that saw ``seen``."""
     recipe = state.recipe
     seen = jnp.asarray(seen, _F32)
     rolled = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(seen)
@@ -795,18 +837,13 @@ def update_fp8_state(state: Fp8State, seen: ArrayLike) -> Fp8State:
 
 
 def find_fp8_states(tree: Any) -> list[Fp8State]:
-    """Every :class:`Fp8State` in ``tree``, in tree order.
-
-    >>> states = {"b": Fp8State.create(DelayedScaling(history_length=2)), "a": [1.0]}
-    >>> [s.amax_history.shape for s in find_fp8_states(states)]
-    [(3, 2)]
-    """
+    """:meth:`Fp8State.find_all`: every :class:`Fp8State` in ``tree``, in tree order."""
     return _model_state.find(tree, Fp8State)
 
 
 def replace_fp8_states(tree: Any, states: Sequence[Fp8State]) -> Any:
-    """``tree`` with its :class:`Fp8State` nodes replaced, in tree order, by ``states`` (as
-    many as it holds)."""
+    """:meth:`Fp8State.replace_all`: ``tree`` with its :class:`Fp8State` nodes replaced, in
+    tree order, by ``states``."""
     states = list(states)
     held = len(find_fp8_states(tree))
     if held != len(states):

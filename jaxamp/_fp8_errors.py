@@ -58,10 +58,18 @@ class MatmulError:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8ErrorReport:
-    """The FP8 matmuls of one loss and gradient, in the order they first ran."""
+    """The FP8 matmuls of one loss and gradient, in the order they first ran
+    (:func:`jaxamp.fp8.error_report`); ``print(report)`` shows one line per matmul."""
 
     matmuls: tuple[MatmulError, ...]
-    """One entry per matmul, in the order they first ran."""
+    """One entry per matmul, in the order they first ran. Each entry has its ``site`` (the
+    argument path of the operand it reads, ``args[0]/head/kernel``, or the source line that
+    made it), its operands' ``shapes`` (``"(32, 64) x (64, 256)"``), its ``calls`` (a layer in
+    a ``scan`` runs once per step) and three relative errors: ``forward`` (the activation and
+    the weight quantized), ``grad_lhs`` (the input gradient: the incoming gradient and the
+    weight) and ``grad_rhs`` (the weight gradient: the activation and the incoming gradient),
+    each the mean over the output's rows of ``‖fp8 − ref‖ / ‖ref‖``, the largest over the
+    calls (NaN for a GEMM that never ran); ``worst``, the largest of the three."""
 
     def worst(self, n: int = 5) -> list[MatmulError]:
         """The ``n`` matmuls with the largest error of any of their GEMMs."""

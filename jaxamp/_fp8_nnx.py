@@ -41,8 +41,7 @@ class DotGeneral(nnx.Module):
     ...                    rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((3, 4))).shape
     (3, 2)
-    >>> from jaxamp.fp8 import find_fp8_states
-    >>> [s.amax_history.shape for s in find_fp8_states(nnx.state(layer, Fp8Meta))]
+    >>> [s.amax_history.shape for s in Fp8State.find_all(nnx.state(layer, Fp8Meta))]
     [(3, 8)]
     """
 

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from jaxamp._tree import cast_floating
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
 
-__all__ = ["PRESETS", "Policy", "get_policy", "resolve_auto"]
+__all__ = ["Policy", "get_policy"]
 
 # Names accepted for a dtype in a policy string (jmp's names plus a few common ones).
 _DTYPE_NAMES: dict[str, Any] = {
@@ -60,9 +61,8 @@ _PRESET_DTYPES: dict[str, tuple[Any, Any, Any]] = {
 }
 # Presets whose matmuls run in FP8 (under jaxamp.autocast, with current scaling).
 _FP8_PRESETS = ("mixed_fp8",)
-PRESETS: tuple[str, ...] = (*_PRESET_DTYPES, "auto")
-"""Every preset name that :func:`get_policy` accepts (the CLI's ``--precision`` choices)."""
-_ACCEPTED = ("a preset (" + ", ".join(PRESETS) + "), a dtype name ("
+_PRESETS: tuple[str, ...] = (*_PRESET_DTYPES, "auto")  # public as Policy.PRESETS
+_ACCEPTED = ("a preset (" + ", ".join(_PRESETS) + "), a dtype name ("
              + ", ".join(_DTYPE_NAMES) + "), jmp's grammar 'p=f32,c=bf16,o=f32', "
              "a jmp.Policy or a jaxamp.Policy")
 
@@ -148,6 +148,38 @@ class Policy:
     """Whether :func:`jaxamp.autocast` runs matmuls in FP8 with current scaling: ``False``,
     ``True`` (per-tensor scales) or a :class:`jaxamp.fp8.CurrentScaling` recipe; the
     ``mixed_fp8`` preset sets ``True``."""
+
+    PRESETS: ClassVar[tuple[str, ...]] = _PRESETS
+    """Every preset name that :func:`get_policy` accepts (the CLI's ``--precision`` choices).
+
+    >>> Policy.PRESETS
+    ('float32', 'bfloat16', 'mixed_bfloat16', 'mixed_float16', 'mixed_fp8', 'auto')
+    """
+
+    @staticmethod
+    def resolve_auto(device: Any = None) -> str:
+        """The preset that ``"auto"`` resolves to on ``device`` (default: the first local
+        device).
+
+        * TPU, and GPUs with compute capability >= 8.0 (Ampere and later): ``mixed_bfloat16``;
+        * older GPUs: ``mixed_float16`` (with dynamic loss scaling);
+        * CPU: ``float32``, because XLA:CPU upcasts bf16 and runs it slower (see the README).
+
+        >>> import jax
+        >>> Policy.resolve_auto(jax.devices("cpu")[0])
+        'float32'
+        """
+        device = device if device is not None else jax.local_devices()[0]
+        platform = device.platform.lower()
+        if platform == "tpu":
+            return "mixed_bfloat16"
+        if platform in ("gpu", "cuda", "rocm"):
+            capability = getattr(device, "compute_capability", None)
+            if platform == "rocm" or capability is None:
+                return "mixed_bfloat16"
+            major = int(str(capability).split(".")[0])
+            return "mixed_bfloat16" if major >= 8 else "mixed_float16"
+        return "float32"
 
     def __post_init__(self):
         _check_fp8(self.fp8)
@@ -256,30 +288,6 @@ class Policy:
         return dataclasses.replace(self, overrides=self.overrides + extra)
 
 
-def resolve_auto(device: Any = None) -> str:
-    """The preset that ``"auto"`` resolves to on ``device`` (default: the first local device).
-
-    * TPU, and GPUs with compute capability >= 8.0 (Ampere and later): ``mixed_bfloat16``;
-    * older GPUs: ``mixed_float16`` (with dynamic loss scaling);
-    * CPU: ``float32``, because XLA:CPU upcasts bf16 and runs it slower (see the README).
-
-    >>> import jax
-    >>> resolve_auto(jax.devices("cpu")[0])
-    'float32'
-    """
-    device = device if device is not None else jax.local_devices()[0]
-    platform = device.platform.lower()
-    if platform == "tpu":
-        return "mixed_bfloat16"
-    if platform in ("gpu", "cuda", "rocm"):
-        capability = getattr(device, "compute_capability", None)
-        if platform == "rocm" or capability is None:
-            return "mixed_bfloat16"
-        major = int(str(capability).split(".")[0])
-        return "mixed_bfloat16" if major >= 8 else "mixed_float16"
-    return "float32"
-
-
 def _parse_jmp_grammar(spec: str) -> Policy:
     found: dict[str, np.dtype] = {}
     for part in spec.split(","):
@@ -308,9 +316,9 @@ def get_policy(spec: Any = "mixed_bfloat16", *,
                device: Any = None) -> Policy:
     """Builds a :class:`Policy` from a preset, a jmp string, a ``jmp.Policy`` or a ``Policy``.
 
-    Presets (:data:`jaxamp.PRESETS`), with ``auto`` resolved here on the CPU:
+    Presets (:attr:`Policy.PRESETS`), with ``auto`` resolved here on the CPU:
 
-    >>> for name in PRESETS:
+    >>> for name in Policy.PRESETS:
     ...     print(f"{name:15s}", get_policy(name))
     float32         p=f32,c=f32,o=f32
     bfloat16        p=bf16,c=bf16,o=bf16
@@ -319,7 +327,7 @@ def get_policy(spec: Any = "mixed_bfloat16", *,
     mixed_fp8       p=f32,c=bf16,o=f32,matmul=fp8
     auto            p=f32,c=f32,o=f32
 
-    ``auto`` picks a preset per device (see :func:`resolve_auto`).
+    ``auto`` picks a preset per device (see :meth:`Policy.resolve_auto`).
     A bare dtype name (``"bf16"``) sets all three dtypes, as in jmp; jmp's grammar
     ``"p=f32,c=bf16,o=f32"`` takes the keys ``p/params``, ``c/compute`` and ``o/output``,
     and an omitted compute dtype follows params, an omitted output follows compute.
@@ -358,7 +366,7 @@ def _parse(spec: Any, device: Any) -> Policy:
         raise ValueError(f"empty policy string {spec!r}; accepted: {_ACCEPTED}")
     lowered = name.lower()
     if lowered == "auto":
-        resolved = _parse(resolve_auto(device), device)
+        resolved = _parse(Policy.resolve_auto(device), device)
         return dataclasses.replace(resolved, name=f"auto:{resolved.name}")
     if lowered in _PRESET_DTYPES:
         return Policy(*_PRESET_DTYPES[lowered], name=lowered, fp8=lowered in _FP8_PRESETS)

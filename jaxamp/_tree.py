@@ -193,7 +193,7 @@ class State:
     """The one way jaxamp defines a state class: a subclass is a frozen dataclass registered
     as a pytree, whose fields made with :func:`static_field` are treedef metadata and the
     others children (the loss scales, :class:`~jaxamp.TrainState`,
-    :class:`~jaxamp.fp8.Fp8State`; the optax state :class:`~jaxamp.MixedPrecisionState` is a
+    :class:`~jaxamp.fp8.Fp8State`; the optax state :class:`~jaxamp.state.MixedPrecisionState` is a
     ``NamedTuple``, as optax's own states are). ``class S(State, kw_only=True)`` makes every
     field keyword-only.
 

@@ -11,12 +11,14 @@ overflows fp32, from a tiny ``amax``) keeps the previous scale.
 Two recipes:
 
 * :class:`CurrentScaling` (stateless): each tensor's ``amax`` is computed on the fly; or each
-  row's, tile's or block's (``granularity``: :func:`quantize_blocks`).
+  row's, tile's or block's (``granularity``, one of ``CurrentScaling.GRANULARITIES``).
   :func:`fp8_dot_general` is a drop-in ``lax.dot_general``; ``jaxamp.autocast`` under the
   ``mixed_fp8`` policy runs every ``dot_general`` of any model through it.
 * :class:`DelayedScaling`: the scales come from a history of the ``amax`` of past steps, kept in
-  an :class:`Fp8State` (the NNX variable kind :class:`Fp8Meta`). :class:`DotGeneral`,
-  :class:`EinsumOp`, :class:`Linear` and :class:`Einsum` are the NNX layers that hold one.
+  an :class:`Fp8State` (the NNX variable kind :class:`Fp8Meta`; ``Fp8State.find_all`` finds
+  them in a model state). :class:`DotGeneral`, :class:`EinsumOp`, :class:`Linear` and
+  :class:`Einsum` are the NNX layers that hold one; :func:`delayed_dot_general` is their
+  functional core.
   The step updates it, never the optimizer: :func:`jaxamp.make_train_step` differentiates with
   respect to each ``Fp8State`` in the model state (the cotangent of its ``scale`` is the
   ``amax`` this step saw), takes the maximum over micro-batches and devices, rolls the history
@@ -30,6 +32,8 @@ loss scale (keras#21706 divided it by the loss scale).
 
 Non-finite values are never hidden by saturation: a matmul whose operand or incoming gradient
 holds an inf or a NaN returns NaN, so an fp16 overflow still skips the step.
+
+:func:`error_report` measures what FP8 costs each matmul of a loss (an :class:`Fp8ErrorReport`).
 """
 
 from __future__ import annotations
@@ -41,30 +45,12 @@ from typing import Any
 import jax
 
 from jaxamp._autocast import autocast
-from jaxamp._fp8 import AMAX_ALGOS
-from jaxamp._fp8 import FORMATS
-from jaxamp._fp8 import GRANULARITIES
-from jaxamp._fp8 import KEEP
-from jaxamp._fp8 import WEIGHT_GRADS
 from jaxamp._fp8 import CurrentScaling
 from jaxamp._fp8 import DelayedScaling
 from jaxamp._fp8 import Fp8State
-from jaxamp._fp8 import amax
-from jaxamp._fp8 import block_scales
-from jaxamp._fp8 import compute_scale
 from jaxamp._fp8 import delayed_dot_general
-from jaxamp._fp8 import dequantize
-from jaxamp._fp8 import dequantize_blocks
-from jaxamp._fp8 import find_fp8_states
 from jaxamp._fp8 import fp8_dot_general
-from jaxamp._fp8 import fp8_max
-from jaxamp._fp8 import quantize
-from jaxamp._fp8 import quantize_blocks
-from jaxamp._fp8 import replace_fp8_states
-from jaxamp._fp8 import round_to_power_of_two
-from jaxamp._fp8 import update_fp8_state
 from jaxamp._fp8_errors import Fp8ErrorReport
-from jaxamp._fp8_errors import MatmulError
 from jaxamp._fp8_errors import probing
 from jaxamp._policy import get_policy
 
@@ -75,12 +61,9 @@ if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
     from jaxamp._fp8_nnx import Fp8Meta
     from jaxamp._fp8_nnx import Linear
 
-__all__ = ["AMAX_ALGOS", "CurrentScaling", "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp",
-           "FORMATS", "Fp8ErrorReport", "Fp8Meta", "Fp8State", "GRANULARITIES", "KEEP", "Linear",
-           "MatmulError", "WEIGHT_GRADS", "amax", "block_scales", "compute_scale",
-           "delayed_dot_general", "dequantize", "dequantize_blocks", "error_report",
-           "find_fp8_states", "fp8_dot_general", "fp8_max", "quantize", "quantize_blocks",
-           "replace_fp8_states", "round_to_power_of_two", "update_fp8_state"]
+__all__ = ["CurrentScaling", "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp",
+           "Fp8ErrorReport", "Fp8Meta", "Fp8State", "Linear", "delayed_dot_general",
+           "error_report", "fp8_dot_general"]
 
 
 def error_report(fn: Callable, *args: Any, policy: Any = "mixed_fp8",

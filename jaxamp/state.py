@@ -1,10 +1,11 @@
-"""Reading the state of :func:`jaxamp.mixed_precision` in a train step written by hand.
+"""The state of :func:`jaxamp.mixed_precision`, and reading it in a train step written by hand.
 
 The state sits anywhere in an optimizer state (under ``optax.chain``, ``inject_hyperparams``,
-``MultiSteps``): :func:`find_state` finds it, and the others read it. :func:`scale_loss` and
-:func:`next_working_params` are the two calls a hand-written step makes around ``tx.update``
-(:func:`jaxamp.make_train_step` makes them itself). ``find_state``, ``get_master_params`` and
-``scale_loss`` are also at the top level, as ``jaxamp.find_state`` and so on.
+``MultiSteps``): :func:`find_state` finds the :class:`MixedPrecisionState`, and the others read
+it. :func:`scale_loss` and :func:`next_working_params` are the two calls a hand-written step
+makes around ``tx.update`` (:func:`jaxamp.make_train_step` makes them itself);
+:func:`get_master_params` gives the fp32 params to evaluate or to export. :data:`MASTERS` lists
+where the master can live (``mixed_precision(..., master=...)``).
 """
 
 from jaxamp._master_weights import MixedPrecisionState
@@ -15,6 +16,7 @@ from jaxamp._master_weights import next_working_params
 from jaxamp._master_weights import policy_of
 from jaxamp._master_weights import scale_loss
 from jaxamp._master_weights import working_params
+from jaxamp._storage import MASTERS
 
-__all__ = ["MixedPrecisionState", "find_state", "get_loss_scale", "get_master_params",
+__all__ = ["MASTERS", "MixedPrecisionState", "find_state", "get_loss_scale", "get_master_params",
            "next_working_params", "policy_of", "scale_loss", "working_params"]

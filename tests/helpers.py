@@ -187,7 +187,7 @@ def standard_promotion(inner):
 
 def nnx_scaled_step(loss_of_model):
     """An ``nnx.jit`` step ``step(model, optimizer) -> loss``: the gradient of
-    ``jaxamp.scale_loss(loss_of_model(model), optimizer.opt_state)``, then
+    ``jaxamp.state.scale_loss(loss_of_model(model), optimizer.opt_state)``, then
     ``optimizer.update``."""
     from flax import nnx
 
@@ -197,7 +197,7 @@ def nnx_scaled_step(loss_of_model):
     def step(model, optimizer):
         def loss_fn(model):
             loss = loss_of_model(model)
-            return jaxamp.scale_loss(loss, optimizer.opt_state), loss
+            return jaxamp.state.scale_loss(loss, optimizer.opt_state), loss
         (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
         optimizer.update(model, grads)
         return loss

@@ -153,9 +153,9 @@ CASES = [
      ["loss_fn must return a scalar loss", "shape (8,)", "jnp.mean"]),
     ("loss_not_floating", lambda: _step(_int_loss), TypeError,
      ["loss_fn must return a floating loss", "int32", "in float32"]),
-    ("scale_loss_not_scalar", lambda: jaxamp.scale_loss(jnp.ones(3), _state().opt_state),
+    ("scale_loss_not_scalar", lambda: jaxamp.state.scale_loss(jnp.ones(3), _state().opt_state),
      ValueError, ["the loss must be a scalar", "(3,)", "jnp.mean"]),
-    ("scale_loss_not_floating", lambda: jaxamp.scale_loss(jnp.int32(3), _state().opt_state),
+    ("scale_loss_not_floating", lambda: jaxamp.state.scale_loss(jnp.int32(3), _state().opt_state),
      TypeError, ["the loss must be floating", "int32", "in float32"]),
     # Batches that do not divide.
     ("batch_not_divisible_by_devices",

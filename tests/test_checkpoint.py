@@ -72,14 +72,14 @@ def test_train_state_round_trips_through_orbax(tmp_path, step):
     # Static hyperparameters come from the target; array fields from the checkpoint.
     assert (scale.hysteresis, scale.min_scale, scale.max_scale, scale.growth_interval) == (
         2, 1.0, 2.0**14, 3)
-    assert int(jaxamp.find_state(restored.opt_state).health.skipped_steps) == 2
+    assert int(jaxamp.state.find_state(restored.opt_state).health.skipped_steps) == 2
     assert [x.dtype for x in jax.tree.leaves(restored)] == [x.dtype for x in jax.tree.leaves(state)]
 
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, step):
     straight, resumed = straight_and_resumed(tmp_path, step, _batches(16), 8, _state)
     _assert_bit_identical(straight, resumed)
-    assert int(jaxamp.find_state(straight.opt_state).health.skipped_steps) == 3
+    assert int(jaxamp.state.find_state(straight.opt_state).health.skipped_steps) == 3
 
 
 def test_restoring_another_models_checkpoint_fails_clearly(tmp_path):

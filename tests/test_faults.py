@@ -194,7 +194,7 @@ class Run:
 
 def _frozen_parts(state):
     """Everything a skipped step must leave bit-identical."""
-    mp = jaxamp.find_state(state.opt_state)
+    mp = jaxamp.state.find_state(state.opt_state)
     return (state.params, mp.master.params, mp.inner_state, mp.health.applied_steps,
             state.model_state, state.rng)
 
@@ -211,7 +211,7 @@ def run(layout, scale, schedule, *, batches=None, next_batch=None, **state_kwarg
     state = place(layout, make_state(scale, **state_kwargs))
     out = Run(None, [], [], [], [], [], [], [])
     for i, fault in enumerate(schedule):
-        applied = int(first(jaxamp.find_state(state.opt_state).health.applied_steps))
+        applied = int(first(jaxamp.state.find_state(state.opt_state).health.applied_steps))
         batch = batches[applied % len(batches)]
         if fault is not None:
             batch = fault.apply(batch)
@@ -299,7 +299,7 @@ def injected_faults(layout, seed):
             # but its gradient (inf * 0) is not finite.
             assert count >= 1 and leaf >= 0
             assert not (np.isnan(f.value) and np.isfinite(loss))
-    mp = jaxamp.find_state(faulty.state.opt_state)
+    mp = jaxamp.state.find_state(faulty.state.opt_state)
     assert int(mp.health.skipped_steps) == len(faults)
     assert int(mp.health.applied_steps) == N_CLEAN
     check_scale_trajectory(faulty, scale)
@@ -363,7 +363,7 @@ def real_overflow(layout, steps=60):
     later = result.finite[n_first:]
     assert later.count(False) >= 3
     check_scale_trajectory(result, scale)
-    mp = jaxamp.find_state(result.state.opt_state)
+    mp = jaxamp.state.find_state(result.state.opt_state)
     assert int(mp.health.applied_steps) == result.finite.count(True)
     # Same applied batches as a run whose scale never overflows: the same loss.
     clean = run(layout, jaxamp.DynamicLossScale(loss_scale=2.0**8, growth_interval=10**6),
@@ -408,7 +408,7 @@ def unfixable_nan_data(layout, seed=0, bad_from=6, n_bad=20, n_after=8):
     assert stalled == [False] * (6 + STALL_AFTER - 1) + [True] * (n_bad - 5 - STALL_AFTER)
     # ...and every metric says so while the state keeps refusing the update: it never gives up
     # and applies a non-finite update (each skip was checked bit for bit in `run`).
-    mp = jaxamp.find_state(result.state.opt_state)
+    mp = jaxamp.state.find_state(result.state.opt_state)
     assert int(mp.health.skipped_steps) == n_bad
     assert int(mp.health.applied_steps) == bad_from + n_after
     # Clean data again: the first finite step ends the stall, and training carries on.
@@ -435,7 +435,7 @@ def unfixable_divergence(steps=30):
     stall_step = result.stalled.index(True)
     assert stall_step == 4 + STALL_AFTER - 1  # skips at scale 1 from step index 4
     assert all(result.stalled[stall_step:])
-    mp = jaxamp.find_state(result.state.opt_state)
+    mp = jaxamp.state.find_state(result.state.opt_state)
     assert int(mp.health.applied_steps) == 1
     # The fp32 master holds the huge but finite values; the fp16 working copy is inf.
     master = jax.tree.leaves(mp.master.params)

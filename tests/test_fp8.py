@@ -69,10 +69,10 @@ def test_quantize_matches_ml_dtypes_bit_for_bit(dtype, spread):
                         rng.normal(size=2000) * float(jnp.finfo(dtype).smallest_normal)]
                        ).astype(np.float32)
     for scale in (1.0, 3.7, 2.0 ** -7):
-        got = jax.jit(fp8.quantize, static_argnums=1)(x, dtype, scale)
+        got = jax.jit(_fp8.quantize, static_argnums=1)(x, dtype, scale)
         ref = ref_quantize(x, dtype, scale)
         np.testing.assert_array_equal(bits(got), ref.view(np.uint8))
-    assert np.abs(ref_quantize(x, dtype, 1.0).astype(np.float32)).max() == fp8.fp8_max(dtype)
+    assert np.abs(ref_quantize(x, dtype, 1.0).astype(np.float32)).max() == _fp8.fp8_max(dtype)
     sub = ref_quantize(x, dtype, 1.0).astype(np.float32)
     assert ((sub != 0) & (np.abs(sub) < float(jnp.finfo(dtype).smallest_normal))).any()
 
@@ -83,7 +83,7 @@ def test_scale_matches_reference_bit_for_bit(dtype, margin):
     amaxes = np.abs(np.random.default_rng(1).normal(size=200) * 10.0 ** np.linspace(-30, 30,
                                                                                    200))
     amaxes = amaxes.astype(np.float32)
-    got = np.asarray(fp8.compute_scale(amaxes, dtype, margin))
+    got = np.asarray(_fp8.compute_scale(amaxes, dtype, margin))
     ref = np.array([ref_scale(a, dtype, margin) for a in amaxes], np.float32)
     np.testing.assert_array_equal(bits(got), bits(ref))
 
@@ -92,10 +92,10 @@ def test_scale_matches_reference_bit_for_bit(dtype, margin):
                                                                     "subnormal"])
 def test_bad_amax_keeps_the_previous_scale(bad):
     # A subnormal amax makes fp8_max / amax overflow fp32 (Transformer Engine #825).
-    assert float(fp8.compute_scale(jnp.float32(bad), E4M3, previous=7.5)) == 7.5
+    assert float(_fp8.compute_scale(jnp.float32(bad), E4M3, previous=7.5)) == 7.5
     state = fp8.Fp8State(jnp.full((3, 2), bad, F32), jnp.array([3.0, 5.0, 7.0], F32),
                          fp8.DelayedScaling(history_length=2, amax_algo="most_recent"))
-    new = fp8.update_fp8_state(state, jnp.array([bad, 2.0, bad], F32))
+    new = state.update(jnp.array([bad, 2.0, bad], F32))
     assert new.scale.tolist() == [3.0, 224.0, 7.0]
 
 
@@ -316,7 +316,7 @@ def test_policy_preset():
         jnp.float32, jnp.bfloat16, jnp.float32, True)
     assert str(p) == "p=f32,c=bf16,o=f32,matmul=fp8"
     assert p != jaxamp.get_policy("mixed_bfloat16")
-    assert "mixed_fp8" in jaxamp.PRESETS
+    assert "mixed_fp8" in jaxamp.Policy.PRESETS
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,7 +382,7 @@ def batch_of(seed=1, n=32, boost=None):
 
 
 def states_of(state):
-    return fp8.find_fp8_states(jax.device_get(state.model_state))
+    return fp8.Fp8State.find_all(jax.device_get(state.model_state))
 
 
 def test_the_history_rolls_over_five_steps_and_the_scale_follows_it():
@@ -402,7 +402,7 @@ def test_the_history_rolls_over_five_steps_and_the_scale_follows_it():
         histories.append(np.asarray(first.amax_history))
         if i:  # the older entries moved one column right; the oldest fell off
             np.testing.assert_array_equal(histories[i][:, 1:], histories[i - 1][:, :-1])
-        want = [float(fp8.compute_scale(first.amax_history[r].max(), d))
+        want = [float(_fp8.compute_scale(first.amax_history[r].max(), d))
                 for r, d in enumerate((E4M3, E4M3, E5M2))]
         assert first.scale.tolist() == want
     assert histories[-1][0].tolist() == [inputs[4], inputs[3], inputs[2]]
@@ -414,7 +414,7 @@ def test_most_recent_algo_and_margin():
     for i in range(3):
         state, _ = step(state, batch_of(seed=i))
     s = states_of(state)[0]
-    want = [float(fp8.compute_scale(s.amax_history[r, 0], d, margin=1))
+    want = [float(_fp8.compute_scale(s.amax_history[r, 0], d, margin=1))
             for r, d in enumerate((E4M3, E4M3, E5M2))]
     assert s.scale.tolist() == want
 
@@ -528,7 +528,7 @@ def test_a_matmul_that_did_not_run_keeps_its_metadata():
     recipe = fp8.DelayedScaling(history_length=2)
     state = fp8.Fp8State(jnp.array([[1.0, 2.0]] * 3, F32), jnp.array([4.0, 5.0, 6.0], F32),
                          recipe)
-    assert_tree_bitwise_equal(fp8.update_fp8_state(state, jnp.zeros(3)), state)
+    assert_tree_bitwise_equal(state.update(jnp.zeros(3)), state)
 
 
 def test_checkpoint_restore_then_training_equals_an_uninterrupted_run(tmp_path):
@@ -576,7 +576,7 @@ def test_nnx_einsum_and_einsum_op_record_their_own_metadata():
         y = layer(x)
         return jnp.sum(op("bhk,bhk->bh", y, y))
     _, seen = jax.grad(loss, argnums=(0, 1))(params, meta)
-    amaxes = [s.scale for s in fp8.find_fp8_states(seen)]
+    amaxes = [s.scale for s in fp8.Fp8State.find_all(seen)]
     assert len(amaxes) == 2 and all(float(a.min()) > 0 for a in amaxes)
     assert float(amaxes[0][0]) == float(jnp.abs(x).max())
 
@@ -641,21 +641,21 @@ def _rows_of_every_magnitude(shape, seed=0):
 def test_block_quantizer_matches_a_loop_over_blocks_bit_for_bit(dtype, power_of_two, shape,
                                                                  block_shape):
     x = _rows_of_every_magnitude(shape)
-    q, scales = jax.jit(fp8.quantize_blocks, static_argnums=(1, 2),
+    q, scales = jax.jit(_fp8.quantize_blocks, static_argnums=(1, 2),
                         static_argnames="power_of_two")(x, dtype, block_shape,
                                                         power_of_two=power_of_two)
     ref_q, ref_s = ref_quantize_blocks(x, dtype, block_shape, power_of_two)
     assert q.dtype == jnp.dtype(dtype) and q.shape == x.shape
     np.testing.assert_array_equal(bits(q), ref_q.view(np.uint8))
     np.testing.assert_array_equal(bits(scales), bits(ref_s))
-    np.testing.assert_array_equal(fp8.dequantize_blocks(q, scales, block_shape),
+    np.testing.assert_array_equal(_fp8.dequantize_blocks(q, scales, block_shape),
                                   ref_dequantize_blocks(ref_q, ref_s, block_shape).astype(
                                       np.float32))
     if power_of_two and scales.size:
         mantissa, _ = np.frexp(np.asarray(scales))
         assert (mantissa == 0.5).all()
     if x.size:  # never past the format's max: every block's amax lands at or under it
-        assert np.abs(np.asarray(q, np.float32)).max() <= fp8.fp8_max(dtype)
+        assert np.abs(np.asarray(q, np.float32)).max() <= _fp8.fp8_max(dtype)
 
 
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scale", "pow2"])
@@ -666,8 +666,8 @@ def test_blocks_of_fp8_values_times_a_power_of_two_round_trip_exactly(power_of_t
     values[:, ::32] = 448.0 * np.sign(rng.normal(size=(6, 3)))
     x = values * np.exp2(rng.integers(-30, 30, size=(6, 3))).repeat(32, axis=1)
     x = x.astype(np.float32)
-    q, s = fp8.quantize_blocks(x, E4M3, (1, 32), power_of_two=power_of_two)
-    np.testing.assert_array_equal(fp8.dequantize_blocks(q, s, (1, 32)), x)
+    q, s = _fp8.quantize_blocks(x, E4M3, (1, 32), power_of_two=power_of_two)
+    np.testing.assert_array_equal(_fp8.dequantize_blocks(q, s, (1, 32)), x)
 
 
 def test_zero_and_non_finite_blocks_are_scaled_by_one_and_leave_the_others_alone():
@@ -675,13 +675,13 @@ def test_zero_and_non_finite_blocks_are_scaled_by_one_and_leave_the_others_alone
     x[0, :32] = 0.0
     x[1, 40] = np.inf
     x[2, 3] = np.nan
-    q, s = fp8.quantize_blocks(x, E4M3, (1, 32))
+    q, s = _fp8.quantize_blocks(x, E4M3, (1, 32))
     assert s[0, 0] == 1.0 and not np.asarray(q[0, :32], np.float32).any()
     assert s[1, 1] == 1.0 and float(q[1, 40].astype(F32)) == 448.0  # saturated
     assert s[2, 0] == 1.0 and np.isnan(np.asarray(q[2, 3], np.float32))
     clean = x.copy()
     clean[0, :32], clean[1, 32:], clean[2, :32] = 1.0, 1.0, 1.0
-    _, clean_s = fp8.quantize_blocks(clean, E4M3, (1, 32))
+    _, clean_s = _fp8.quantize_blocks(clean, E4M3, (1, 32))
     untouched = np.ones((4, 2), bool)
     untouched[0, 0] = untouched[1, 1] = untouched[2, 0] = False
     np.testing.assert_array_equal(np.asarray(s)[untouched], np.asarray(clean_s)[untouched])
@@ -690,19 +690,19 @@ def test_zero_and_non_finite_blocks_are_scaled_by_one_and_leave_the_others_alone
 def test_bad_block_shapes_are_clear_errors():
     x = jnp.ones((4, 8))
     with pytest.raises(ValueError, match="one entry per axis"):
-        fp8.quantize_blocks(x, E4M3, (32,))
+        _fp8.quantize_blocks(x, E4M3, (32,))
     with pytest.raises(ValueError, match="ints >= 1 or None"):
-        fp8.block_scales(x, E4M3, (1, 0))
-    q, s = fp8.quantize_blocks(x, E4M3, (1, 4))
+        _fp8.block_scales(x, E4M3, (1, 0))
+    q, s = _fp8.quantize_blocks(x, E4M3, (1, 4))
     with pytest.raises(ValueError, match="do not match blocks"):
-        fp8.dequantize_blocks(q, s, (1, 8))
+        _fp8.dequantize_blocks(q, s, (1, 8))
 
 
 def test_power_of_two_rounding_is_exact_at_and_between_powers():
     powers = np.exp2(np.arange(-126, 128)).astype(np.float32)
-    np.testing.assert_array_equal(fp8.round_to_power_of_two(powers), powers)
-    np.testing.assert_array_equal(fp8.round_to_power_of_two(powers[:-1] * 1.9999999), powers[:-1])
-    np.testing.assert_array_equal(fp8.round_to_power_of_two(np.nextafter(
+    np.testing.assert_array_equal(_fp8.round_to_power_of_two(powers), powers)
+    np.testing.assert_array_equal(_fp8.round_to_power_of_two(powers[:-1] * 1.9999999), powers[:-1])
+    np.testing.assert_array_equal(_fp8.round_to_power_of_two(np.nextafter(
         powers[1:], np.float32(0))), powers[:-1])
 
 
@@ -847,7 +847,7 @@ def test_power_of_two_scales_apply_to_per_tensor_and_delayed_scaling():
         ref_quantize(w, E4M3, sw).astype(np.float64) / sw)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     state = fp8.Fp8State.create(fp8.DelayedScaling(history_length=2, power_of_two=True))
-    state = fp8.update_fp8_state(state, jnp.array([3.0, 0.3, 1e-4], F32))
+    state = state.update(jnp.array([3.0, 0.3, 1e-4], F32))
     assert state.scale.tolist() == [128.0, 1024.0, 2.0 ** 29]
 
 
@@ -968,10 +968,10 @@ def test_the_error_report_leaves_out_what_the_recipe_keeps_and_needs_an_fp8_poli
 def test_fp8_states_are_found_and_replaced_in_tree_order():
     tree = {"b": fp8.Fp8State.create(fp8.DelayedScaling(history_length=2)), "a": [1.0],
             "c": fp8.Fp8State.create(fp8.DelayedScaling(history_length=3))}
-    found = fp8.find_fp8_states(tree)
+    found = fp8.Fp8State.find_all(tree)
     assert [s.amax_history.shape for s in found] == [(3, 2), (3, 3)]
-    swapped = fp8.replace_fp8_states(tree, found[::-1])
-    assert [s.amax_history.shape for s in fp8.find_fp8_states(swapped)] == [(3, 3), (3, 2)]
+    swapped = fp8.Fp8State.replace_all(tree, found[::-1])
+    assert [s.amax_history.shape for s in fp8.Fp8State.find_all(swapped)] == [(3, 3), (3, 2)]
     assert swapped["a"] == [1.0]
     with pytest.raises(ValueError, match=r"holds 2 Fp8State\(s\) but 1 were given"):
-        fp8.replace_fp8_states(tree, found[:1])
+        fp8.Fp8State.replace_all(tree, found[:1])

@@ -1,4 +1,5 @@
-"""Tests of the master-weights transform: ``jaxamp.mixed_precision`` and ``jaxamp.scale_loss``."""
+"""Tests of the master-weights transform: ``jaxamp.mixed_precision`` and
+``jaxamp.state.scale_loss``."""
 
 import functools
 import math
@@ -123,14 +124,14 @@ def _check_working_params_track_master(case):
             assert leaf.dtype == case["compute_dtype"]
         if case["compute_dtype"] == F32:  # the params are their own master: no copy is kept
             assert jax.tree.leaves(state.master.params) == []
-            assert_tree_bitwise_equal(jaxamp.get_master_params(state, params), params)
+            assert_tree_bitwise_equal(jaxamp.state.get_master_params(state, params), params)
             continue
-        expected = policy.cast_params_to_compute(jaxamp.get_master_params(state))
+        expected = policy.cast_params_to_compute(jaxamp.state.get_master_params(state))
         assert_tree_bitwise_equal(params, expected)
         assert_tree_bitwise_equal(jaxamp.state.working_params(state, policy), params)
-        assert_tree_bitwise_equal(jaxamp.get_master_params(state, params),
-                                  jaxamp.get_master_params(state))
-    for leaf in jax.tree.leaves(jaxamp.get_master_params(state, params)):
+        assert_tree_bitwise_equal(jaxamp.state.get_master_params(state, params),
+                                  jaxamp.state.get_master_params(state))
+    for leaf in jax.tree.leaves(jaxamp.state.get_master_params(state, params)):
         assert leaf.dtype == F32
 
 
@@ -165,12 +166,12 @@ def test_docstring_example_lands_on_the_cast_master():
     master = {"w": jnp.array([1.0, 2.0])}
     state = tx.init(master)
     params = jaxamp.get_policy("mixed_bfloat16").cast_params_to_compute(master)
-    grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
+    grads = jax.grad(lambda p: jaxamp.state.scale_loss(jnp.sum(p["w"] ** 2), state))(params)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     assert params["w"].dtype == BF16
     assert params["w"].tolist() == [0.5, 1.0]
-    assert jaxamp.get_master_params(state)["w"].tolist() == [0.5, 1.0]
+    assert jaxamp.state.get_master_params(state)["w"].tolist() == [0.5, 1.0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def _linear_loss(coeffs):
 
 
 def _scaled_grads(loss, params, state):
-    return jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+    return jax.grad(lambda p: jaxamp.state.scale_loss(loss(p), state))(params)
 
 
 def _poison(grads, leaf, index, value):
@@ -300,7 +301,7 @@ def _skip_trajectory(skip, policy_name, inner):
     for poison in _POISON_SEQUENCE:
         b = _poisoned_batch(batch, poison)
         state, metrics = step(state, b)
-        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.scale_loss(mse_loss(p, b), o))(
+        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.state.scale_loss(mse_loss(p, b), o))(
             params)
         updates, opt_state = update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -320,10 +321,10 @@ def _check_skips_and_scales(trajectory, policy_name):
             (_, p1, o1), _, q1, s1 = after
             assert_tree_bitwise_equal((p0, q0), (p1, q1))
             for a, b in ((o0, o1), (s0, s1)):
-                a, b = jaxamp.find_state(a), jaxamp.find_state(b)
+                a, b = jaxamp.state.find_state(a), jaxamp.state.find_state(b)
                 assert_tree_bitwise_equal((a.master.params, a.inner_state),
                                           (b.master.params, b.inner_state))
-    final = jaxamp.find_state(trajectory[-1][0][2])
+    final = jaxamp.state.find_state(trajectory[-1][0][2])
     assert int(final.health.skipped_steps) == sum(skipped)
     assert set(inner_counts(final.inner_state)) == {len(skipped) - sum(skipped)}
     scales = [float(m["loss_scale"]) for _, m, _, _ in trajectory]
@@ -390,7 +391,7 @@ def test_select_skip_applies_a_step_as_the_cond_skip_does_up_to_rounding(policy_
     batch = make_batch()
     for poison in _POISON_SEQUENCE:
         b = _poisoned_batch(batch, poison)
-        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.scale_loss(mse_loss(p, b), o))(
+        grads = jax.grad(lambda p, b=b, o=opt_state: jaxamp.state.scale_loss(mse_loss(p, b), o))(
             params)
         out = {}
         for skip, update in updates.items():
@@ -411,7 +412,7 @@ def test_select_skip_applies_a_step_as_the_cond_skip_does_up_to_rounding(policy_
                 assert float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32)))) <= bound
         else:
             assert_tree_bitwise_equal(out["select"], out["cond"])
-            old, new = jaxamp.find_state(opt_state), jaxamp.find_state(out["select"][1])
+            old, new = jaxamp.state.find_state(opt_state), jaxamp.state.find_state(out["select"][1])
             assert_tree_bitwise_equal((new.master.params, new.inner_state, out["select"][2]),
                                       (old.master.params, old.inner_state, params))
         _, opt_state, params = out["cond"]
@@ -622,7 +623,7 @@ def test_works_with_flax_train_state():
         def loss_fn(params):
             pred = state.apply_fn(params, x.astype(BF16))
             loss = jnp.mean((pred.astype(F32) - y) ** 2)
-            return jaxamp.scale_loss(loss, state.opt_state), loss
+            return jaxamp.state.scale_loss(loss, state.opt_state), loss
         grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), loss
 
@@ -632,10 +633,10 @@ def test_works_with_flax_train_state():
         losses.append(float(loss))
         for leaf in jax.tree.leaves(state.params):
             assert leaf.dtype == BF16
-        assert_tree_bitwise_equal(
-            state.params, policy.cast_params_to_compute(jaxamp.get_master_params(state.opt_state)))
+        master = jaxamp.state.get_master_params(state.opt_state)
+        assert_tree_bitwise_equal(state.params, policy.cast_params_to_compute(master))
     assert int(state.step) == 30
-    assert int(jaxamp.find_state(state.opt_state).health.applied_steps) == 30
+    assert int(jaxamp.state.find_state(state.opt_state).health.applied_steps) == 30
     assert losses[-1] < 0.8 * losses[0]
     assert all(np.isfinite(losses))
 
@@ -660,12 +661,12 @@ def test_scale_loss_rejects_non_scalar_and_integer_losses():
     tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
     state = tx.init({"w": jnp.ones(2)})
     with pytest.raises(ValueError):
-        jaxamp.scale_loss(jnp.ones(3), state)
+        jaxamp.state.scale_loss(jnp.ones(3), state)
     with pytest.raises(ValueError):
-        jaxamp.scale_loss(jnp.ones((1, 1)), state)
+        jaxamp.state.scale_loss(jnp.ones((1, 1)), state)
     with pytest.raises(TypeError):
-        jaxamp.scale_loss(jnp.array(3, jnp.int32), state)
-    scaled = jaxamp.scale_loss(jnp.array(1.5, F16), state)
+        jaxamp.state.scale_loss(jnp.array(3, jnp.int32), state)
+    scaled = jaxamp.state.scale_loss(jnp.array(1.5, F16), state)
     assert scaled.dtype == F32 and float(scaled) == 1.5 * 2.0**16
 
 
@@ -673,12 +674,12 @@ def test_scale_loss_finds_the_state_inside_a_chain():
     mp = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16",
                                 loss_scale=jaxamp.StaticLossScale(8.0))
     state = optax.chain(mp).init({"w": jnp.ones(2)})
-    assert float(jaxamp.scale_loss(jnp.float32(0.5), state)) == 4.0
+    assert float(jaxamp.state.scale_loss(jnp.float32(0.5), state)) == 4.0
     # Beside another member, even optax.identity() (its state, EmptyState, is a clip's too),
     # the chain is refused: the state cannot tell a harmless member from a harmful one.
     state = optax.chain(optax.identity(), mp).init({"w": jnp.ones(2)})
     with pytest.raises(ValueError, match="optax.chain puts other transforms beside"):
-        jaxamp.scale_loss(jnp.float32(0.5), state)
+        jaxamp.state.scale_loss(jnp.float32(0.5), state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,7 +759,7 @@ def test_works_as_an_nnx_optimizer():
 
     losses = [float(train_step(model, optimizer)) for _ in range(100)]
     assert losses[-1] < 0.5 * losses[0]
-    master = jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state))
+    master = jax.tree.leaves(jaxamp.state.get_master_params(optimizer.opt_state))
     working = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(m.dtype == jnp.float32 for m in master)
     assert_tree_bitwise_equal([w.astype(jnp.bfloat16) for w in working],
@@ -791,7 +792,7 @@ def _mlp_steps(pin: bool):
     for i in range(4):
         xi = x.at[0, 0].set(jnp.inf) if i == 2 else x * (1 + i)  # step 2 overflows and skips
         state, _ = compiled(state, {"x": xi})
-        trajectory.append((state.params, jaxamp.find_state(state.opt_state)))
+        trajectory.append((state.params, jaxamp.state.find_state(state.opt_state)))
     return compiled, trajectory
 
 
@@ -805,7 +806,7 @@ def test_the_layout_pin_is_the_steps_alone():
 def test_gradient_layout_pin_changes_no_value_and_saves_traffic():
     pinned, with_pin = _mlp_steps(True)
     unpinned, without_pin = _mlp_steps(False)
-    assert not bool(jaxamp.find_state(with_pin[2][1]).health.grads_finite)
+    assert not bool(jaxamp.state.find_state(with_pin[2][1]).health.grads_finite)
     # Params, master, moments, scale and counters are bit-identical. The reported grad norm is
     # an fp32 sum whose order follows the layout: equal to within an ulp.
     def without_norm(trajectory):
@@ -884,7 +885,7 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
     assert collectives(None)["all-gather"] == 0
     new_state, _ = jax.jit(jaxamp.make_train_step(loss))(state, x)
     assert new_state.params["w1"].sharding.spec == P(None, "model")
-    assert jaxamp.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
+    assert jaxamp.state.get_master_params(new_state.opt_state)["w2"].sharding.spec == P("model")
 
 
 @pytest.mark.parametrize("spec,mixed", [("fp16", "mixed_float16"), ("bfloat16", "mixed_bfloat16")])

@@ -174,7 +174,7 @@ def test_stochastic_rounding_and_8bit_blocks_keep_the_second_moment():
 # --------------------------------------------------------------------------------------------
 
 def _adam_leaves(state):
-    adam = jaxamp.find_state(state).inner_state[0]  # adam's (count, mu, nu)
+    adam = jaxamp.state.find_state(state).inner_state[0]  # adam's (count, mu, nu)
     return adam.mu, adam.nu
 
 
@@ -252,8 +252,9 @@ def test_8bit_state_keeps_its_dtypes_and_a_skipped_step_is_bit_identical(step):
     state, metrics = step(state, dict(batch, poison=poison))
     assert not bool(metrics["grads_finite"])
     assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
-    assert_tree_bitwise_equal((state.params, jaxamp.find_state(state.opt_state).inner_state),
-                              (before.params, jaxamp.find_state(before.opt_state).inner_state))
+    find_state = jaxamp.state.find_state
+    assert_tree_bitwise_equal((state.params, find_state(state.opt_state).inner_state),
+                              (before.params, find_state(before.opt_state).inner_state))
 
 
 def test_8bit_adam_trains_the_mlp_as_fp32_moments_do(step):
@@ -287,7 +288,7 @@ def test_8bit_state_under_pmap_the_sharded_jit_and_accumulation_agree():
     for _ in range(3):
         accum, _ = astep(accum, batch)
     def moments(state):  # the moments' values, a quantized one dequantized
-        inner = jaxamp.find_state(state.opt_state).inner_state
+        inner = jaxamp.state.find_state(state.opt_state).inner_state
         return jax.tree.leaves(jax.tree.map(
             lambda x: dequantize_blockwise(x) if isinstance(x, Blockwise8bit) else x,
             inner, is_leaf=lambda x: isinstance(x, Blockwise8bit)))

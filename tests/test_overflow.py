@@ -126,16 +126,16 @@ def test_first_of_several_nonfinite_leaves_is_reported():
 
 def test_optimizer_state_holds_the_first_nonfinite_leaf():
     state = make_state()
-    assert int(jaxamp.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
+    assert int(jaxamp.state.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
     step = jax.jit(jaxamp.make_train_step(poisoned_loss))
     state, _ = step(state, poisoned(make_batch(), 2, np.nan))
-    mp = jaxamp.find_state(state.opt_state)
-    assert isinstance(mp, jaxamp.MixedPrecisionState)
+    mp = jaxamp.state.find_state(state.opt_state)
+    assert isinstance(mp, jaxamp.state.MixedPrecisionState)
     assert int(mp.health.first_nonfinite_leaf) == LAYER1_KERNEL
     assert int(mp.health.nonfinite_leaves) == 1
     assert nonfinite_leaf_path(state.params, mp.health.first_nonfinite_leaf) == "layer1/kernel"
     state, _ = step(state, make_batch())
-    assert int(jaxamp.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
+    assert int(jaxamp.state.find_state(state.opt_state).health.first_nonfinite_leaf) == -1
 
 
 def test_accumulated_micro_batches_name_the_poisoned_leaf():
@@ -162,7 +162,7 @@ def test_every_pmap_replica_names_the_same_leaf():
     np.testing.assert_array_equal(firsts, [LAYER1_KERNEL] * N_DEVICES)
     params = jaxamp.parallel.unreplicate(rstate).params
     assert {nonfinite_leaf_path(params, i) for i in firsts} == {"layer1/kernel"}
-    mp = jaxamp.find_state(rstate.opt_state)
+    mp = jaxamp.state.find_state(rstate.opt_state)
     np.testing.assert_array_equal(np.asarray(mp.health.first_nonfinite_leaf), firsts)
 
 
@@ -200,7 +200,7 @@ def fp16_state(params, scale=1.0, **kwargs):
 def test_forward_overflow_is_located_in_its_layer():
     # layer0: tanh(4 * 0.5) = 0.96; layer1: 4 * 0.96 * 30000 = 115000 > 65504.
     report = jaxamp.explain_overflow(fp16_state(constant_params(w1=3e4)), X, scoped_loss)
-    assert isinstance(report, jaxamp.OverflowReport)
+    assert isinstance(report, jaxamp.reports.OverflowReport)
     first = report.first_forward
     assert (first.phase, first.layer, first.primitive, first.kind) == (
         "forward", "layer1", "dot_general", "inf")

@@ -4,6 +4,7 @@ from another."""
 import ast
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -14,6 +15,18 @@ import pytest
 import jaxamp
 
 PACKAGE = pathlib.Path(jaxamp.__file__).parent
+API_PAGES = PACKAGE.parent / "docs" / "api"
+
+
+def _public_modules() -> dict[str, ModuleType]:
+    """``jaxamp`` and every public module it exports, by dotted name."""
+    modules = {f"jaxamp.{n}": getattr(jaxamp, n) for n in jaxamp.__all__}
+    return {"jaxamp": jaxamp} | {n: m for n, m in modules.items() if isinstance(m, ModuleType)}
+
+
+def _names(module: ModuleType) -> set[str]:
+    """The names a module exports, its public submodules aside."""
+    return {n for n in module.__all__ if not isinstance(getattr(module, n), ModuleType)}
 
 
 def test_no_module_imports_a_name_its_source_does_not_export():
@@ -35,8 +48,8 @@ def test_no_module_imports_a_name_its_source_does_not_export():
 
 def test_every_library_module_but_the_public_subpackages_is_private():
     public = sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_"))
-    assert public == ["equinox", "fp8", "gradients", "memory", "ops", "parallel", "rounding",
-                      "state"]
+    assert public == ["equinox", "fp8", "gradients", "memory", "ops", "parallel", "reports",
+                      "rounding", "state"]
     exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
     assert exported_modules == set(public)
 
@@ -55,6 +68,67 @@ def test_import_jaxamp_and_autocast_do_not_load_flax_nnx():
 def test_a_name_of_a_public_module_is_not_on_the_top_level(name):
     """Before the first release nothing keeps an alias: the names live in their modules."""
     assert not hasattr(jaxamp, name)
+
+
+def test_the_top_level_is_small():
+    """A user holds the top level in mind: at most 20 names besides the public modules, and
+    the FP8 module at most 12 (the recipes carry their options, ``Fp8State`` its helpers)."""
+    assert len(_names(jaxamp)) <= 20, sorted(_names(jaxamp))
+    assert len(jaxamp.fp8.__all__) <= 12, jaxamp.fp8.__all__
+    assert list(jaxamp.__all__) == sorted(jaxamp.__all__)
+
+
+# Each name that left the top level (or jaxamp.fp8), and where a user finds it now.
+MOVED = {
+    "MixedPrecisionState": "jaxamp.state.MixedPrecisionState",
+    "find_state": "jaxamp.state.find_state",
+    "get_master_params": "jaxamp.state.get_master_params",
+    "scale_loss": "jaxamp.state.scale_loss",
+    "MASTERS": "jaxamp.state.MASTERS",
+    "PRESETS": "jaxamp.Policy.PRESETS",
+    "resolve_auto": "jaxamp.Policy.resolve_auto",
+    "AuditReport": "jaxamp.reports.AuditReport",
+    "OverflowReport": "jaxamp.reports.OverflowReport",
+    "OverflowEvent": "jaxamp.reports.OverflowEvent",
+    "fp8.FORMATS": "jaxamp.fp8.CurrentScaling.FORMATS",
+    "fp8.GRANULARITIES": "jaxamp.fp8.CurrentScaling.GRANULARITIES",
+    "fp8.WEIGHT_GRADS": "jaxamp.fp8.CurrentScaling.WEIGHT_GRADS",
+    "fp8.KEEP": "jaxamp.fp8.CurrentScaling.KEEP",
+    "fp8.AMAX_ALGOS": "jaxamp.fp8.DelayedScaling.AMAX_ALGOS",
+    "fp8.find_fp8_states": "jaxamp.fp8.Fp8State.find_all",
+    "fp8.replace_fp8_states": "jaxamp.fp8.Fp8State.replace_all",
+    "fp8.update_fp8_state": "jaxamp.fp8.Fp8State.update",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_name_lives_in_one_place(old):
+    module, _, name = f"jaxamp.{old}".rpartition(".")
+    assert not hasattr(importlib.import_module(module), name)
+    obj = jaxamp
+    for part in MOVED[old].split(".")[1:]:
+        obj = getattr(obj, part)
+    assert obj.__doc__
+
+
+def test_the_api_reference_lists_exactly_each_public_modules_names():
+    """docs/api/ has one ``::: module.name`` entry for each name in a public module's
+    ``__all__``, and no other: not a class's member (shown with its class), nor a name twice."""
+    modules = _public_modules()
+    listed: dict[str, set[str]] = {name: set() for name in modules}
+    stray = []
+    for page in sorted(API_PAGES.glob("*.md")):
+        for entry in re.findall(r"^::: ([\w.]+)\s*$", page.read_text(), flags=re.M):
+            module, _, name = entry.rpartition(".")
+            if module in listed and name not in listed[module]:
+                listed[module].add(name)
+            else:
+                stray.append(f"{page.name}: {entry}")
+    missing = [f"{m}.{n}" for m, module in modules.items()
+               for n in sorted(_names(module) - listed[m])]
+    stray += [f"{m}.{n}" for m, module in modules.items()
+              for n in sorted(listed[m] - _names(module))]
+    assert (missing, stray) == ([], [])
 
 
 @pytest.mark.parametrize("old", ["policy", "loss_scale", "master_weights", "train_step",

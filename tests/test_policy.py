@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 import jaxamp
 from jaxamp import Policy
 from jaxamp import get_policy
-from jaxamp import resolve_auto
 from jaxamp._master_weights import Health
 from jaxamp._master_weights import Master
 from jaxamp.gradients import tree_path_str
@@ -85,11 +84,11 @@ class FakeDevice:
     (FakeDevice("cpu"), "float32"),
 ])
 def test_resolve_auto_on_fake_devices(device, expected):
-    assert resolve_auto(device) == expected
+    assert Policy.resolve_auto(device) == expected
 
 
 def test_resolve_auto_defaults_to_the_first_local_device():
-    assert resolve_auto() == "float32"
+    assert Policy.resolve_auto() == "float32"
 
 
 @pytest.mark.parametrize("device, expected_dtypes, expected_name", [
@@ -382,7 +381,7 @@ def test_tree_path_str():
 
 
 def test_tree_path_str_with_tuples_and_attributes():
-    tree = jaxamp.MixedPrecisionState(
+    tree = jaxamp.state.MixedPrecisionState(
         master=Master(params={"w": (jnp.zeros(1),)}), inner_state=(),
         loss_scale=jaxamp.NoOpLossScale(), health=Health.create())
     paths = [tree_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]

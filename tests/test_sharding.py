@@ -135,7 +135,7 @@ def test_state_sharding_splits_the_master_and_the_moments(params_mode):
     for tree in (state, jax.eval_shape(lambda: state)):   # concrete or abstract
         sh = jaxamp.parallel.state_sharding(tree, mesh, params=params_mode)
         assert jax.tree.structure(sh) == jax.tree.structure(state)
-        mp = jaxamp.find_state(sh.opt_state)
+        mp = jaxamp.state.find_state(sh.opt_state)
         adam = mp.inner_state[0]
         for tree_of_specs in (mp.master.params, adam.mu, adam.nu):
             assert tree_of_specs["l1"]["kernel"].spec == P(None, "batch")
@@ -190,7 +190,7 @@ def test_the_gradients_of_bf16_params_are_reduced_in_reduce_dtype(kind, layout, 
     state, _, batch_sh = jit_step(state, mesh, layout)
     batch = jaxamp.parallel.put_sharded(make_batch(), batch_sh)
     found = collectives(jaxamp.make_train_step(loss_fn, reduce_dtype=reduce_dtype), state, batch)
-    master = jaxamp.find_state(state.opt_state).master.params
+    master = jaxamp.state.find_state(state.opt_state).master.params
     shapes = {tuple(x.shape) for x in jax.tree.leaves(master)}
     shards = {tuple(s.data.shape) for x in jax.tree.leaves(master) for s in x.addressable_shards}
     grads = [f for f in found if f[0] in _REDUCTIONS and f[2] in shapes]
@@ -298,7 +298,7 @@ def test_an_inf_on_one_device_skips_the_step_everywhere_with_the_sharded_state_u
                                                            batch_sh))
         assert not bool(m["grads_finite"])
         after = jax.device_get(state)
-        mp_before, mp_after = (jaxamp.find_state(s.opt_state) for s in (before, after))
+        mp_before, mp_after = (jaxamp.state.find_state(s.opt_state) for s in (before, after))
         assert_tree_bitwise_equal(after.params, before.params)
         assert_tree_bitwise_equal(mp_after.master.params, mp_before.master.params)
         assert_tree_bitwise_equal(mp_after.inner_state, mp_before.inner_state)
@@ -374,7 +374,7 @@ def test_model_state_rng_aux_and_accumulation_under_a_data_parallel_jit_equal_pm
     assert_tree_bitwise_equal(jax.device_get(pstate.model_state),
                               jax.device_get(jstate.model_state))
     # Integer leaves are not averaged: 2 micro-batches per applied step (skips discard it).
-    applied = int(jaxamp.find_state(jstate.opt_state).health.applied_steps)
+    applied = int(jaxamp.state.find_state(jstate.opt_state).health.applied_steps)
     assert applied >= 1 and int(jstate.model_state["count"]) == 2 * applied
     assert_tree_bitwise_equal(master_of(pstate), master_of(jstate))
 
@@ -426,7 +426,7 @@ def test_tensor_parallel_params_keep_their_axis_and_gain_the_data_axis():
     def on_model_axis(tree):
         return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
                             tree, tp)
-    mp = jaxamp.find_state(state.opt_state)
+    mp = jaxamp.state.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
         master=mp.master._replace(params=on_model_axis(mp.master.params))))
     sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")
@@ -473,7 +473,7 @@ def test_tensor_parallel_on_explicit_axes_reduce_scatters_each_block():
         return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
                             tree, tp)
     state = make_state("mixed_bfloat16")
-    mp = jaxamp.find_state(state.opt_state)
+    mp = jaxamp.state.find_state(state.opt_state)
     state = state.replace(params=on_model_axis(state.params), opt_state=mp._replace(
         master=mp.master._replace(params=on_model_axis(mp.master.params))))
     sh = jaxamp.parallel.state_sharding(state, mesh, axis="data", params="sharded")

@@ -25,7 +25,7 @@ from jaxamp._storage import nudge_ties
 from jaxamp.rounding import kahan_join
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-MASTERS = jaxamp.MASTERS
+MASTERS = jaxamp.state.MASTERS
 MOMENTS = [None, "bfloat16"]
 
 
@@ -141,7 +141,7 @@ def _accumulate(master, seed=0, steps=1000):
     reference = p0.copy()
     for _ in range(steps):  # sequential fp32 adds of the same update
         reference = (reference - np.asarray(grad, np.float32)).astype(np.float32)
-    value = np.asarray(jaxamp.get_master_params(state, params)["w"])
+    value = np.asarray(jaxamp.state.get_master_params(state, params)["w"])
     return p0, params["w"], value, reference
 
 
@@ -229,7 +229,7 @@ def test_moments_dtype_stores_rank_1_leaves_and_keeps_scalars():
 def _bytes_per_param(state):
     n = sum(x.size for x in jax.tree.leaves(state.params))
     big = [x for x in jax.tree.leaves(state) if x.ndim]  # leave out counters and scalars
-    key = jaxamp.find_state(state.opt_state).master.rounding_key  # 8 bytes, whatever the model
+    key = jaxamp.state.find_state(state.opt_state).master.rounding_key  # 8 bytes, any model
     return (sum(x.nbytes for x in big) - (0 if key is None else key.nbytes)) / n
 
 
@@ -244,10 +244,10 @@ def test_state_bytes_per_param_of_adam(master, moments_dtype, expected):
 def test_a_float32_policy_keeps_no_second_copy():
     state = _state("float32", policy="float32")
     assert _bytes_per_param(state) == 12  # params and adam's two moments
-    assert jax.tree.leaves(jaxamp.find_state(state.opt_state).master.params) == []
+    assert jax.tree.leaves(jaxamp.state.find_state(state.opt_state).master.params) == []
     assert_tree_bitwise_equal(state.master_params, state.params)
     with pytest.raises(ValueError, match="pass the working params"):
-        jaxamp.get_master_params(state.opt_state)
+        jaxamp.state.get_master_params(state.opt_state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +274,7 @@ def test_state_dtypes_and_skips_bit_identical(step, policy, master, moments_dtyp
     state, metrics = step(state, _poisoned(batch))
     assert not bool(metrics["grads_finite"])
     assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
-    mp, mp0 = jaxamp.find_state(state.opt_state), jaxamp.find_state(before.opt_state)
+    mp, mp0 = jaxamp.state.find_state(state.opt_state), jaxamp.state.find_state(before.opt_state)
     assert_tree_bitwise_equal(state.params, before.params)
     assert_tree_bitwise_equal((mp.master.params, mp.master.compensation, mp.inner_state,
                                mp.master.rounding_key, mp.health.applied_steps),
@@ -283,7 +283,7 @@ def test_state_dtypes_and_skips_bit_identical(step, policy, master, moments_dtyp
     state, metrics = step(state, batch)  # and the next applied step is the one it would be
     assert bool(metrics["grads_finite"])
     again, _ = step(before, batch)
-    mp, mp_again = jaxamp.find_state(state.opt_state), jaxamp.find_state(again.opt_state)
+    mp, mp_again = (jaxamp.state.find_state(s.opt_state) for s in (state, again))
     assert_tree_bitwise_equal(
         (state.params, mp.master.params, mp.master.compensation, mp.inner_state),
         (again.params, mp_again.master.params, mp_again.master.compensation, mp_again.inner_state))
@@ -370,7 +370,7 @@ def test_flax_train_state_and_nnx_optimizer(master):
     @jax.jit
     def train_step(state):
         def loss_fn(p):
-            return jaxamp.scale_loss(mse_loss(p, cast_batch), state.opt_state)
+            return jaxamp.state.scale_loss(mse_loss(p, cast_batch), state.opt_state)
         return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
 
     ours = _state(master, "bfloat16")
@@ -478,7 +478,7 @@ def test_the_steps_new_params_are_what_optax_updates_give(master, policy):
                                   params)  # optax's apply_updates promotes; its cast agrees
         assert_tree_bitwise_equal(as_the_step(state, batch), (params, opt_state))
         state = state.replace(params=params, opt_state=opt_state)
-    assert int(jaxamp.find_state(state.opt_state).health.skipped_steps) == 1
+    assert int(jaxamp.state.find_state(state.opt_state).health.skipped_steps) == 1
 
 
 def test_a_skipped_step_reads_no_old_param_after_its_branch():

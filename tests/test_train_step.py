@@ -61,7 +61,7 @@ def poisoned(batch, index, value=np.inf, field="poison"):
 
 
 def mp_state(state):
-    return jaxamp.find_state(state.opt_state)
+    return jaxamp.state.find_state(state.opt_state)
 
 
 # --------------------------------------------------------------------------------------------

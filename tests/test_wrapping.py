@@ -70,7 +70,7 @@ def test_inject_hyperparams_inside_changes_the_learning_rate_through_the_state()
     tx = jaxamp.mixed_precision(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
                                 "mixed_bfloat16")
     state = jaxamp.TrainState.create(params=init_params(), tx=tx)
-    mps = jaxamp.find_state(state.opt_state)
+    mps = jaxamp.state.find_state(state.opt_state)
     frozen = mps._replace(inner_state=mps.inner_state._replace(
         hyperparams={"learning_rate": jnp.zeros((), F32)}))
     state = state.replace(opt_state=frozen)
@@ -88,7 +88,7 @@ def test_the_policy_comes_from_the_state_not_from_a_function_attribute(policy, h
     state = jaxamp.TrainState.create(params=init_params(), tx=tx)
     assert state.policy == jaxamp.get_policy(policy)
     half_with_fp32_master(state, half)
-    assert jaxamp.find_state(state.opt_state).policy == jaxamp.get_policy(policy)
+    assert jaxamp.state.find_state(state.opt_state).policy == jaxamp.get_policy(policy)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_a_harmful_wrapping_raises_in_scale_loss_and_policy_of(name):
     make, words = HARMFUL[name]
     tx = make()
     opt_state = tx.init(init_params())
-    for call in (lambda: jaxamp.scale_loss(jnp.float32(1.0), opt_state),
+    for call in (lambda: jaxamp.state.scale_loss(jnp.float32(1.0), opt_state),
                  lambda: jaxamp.state.policy_of(tx, init_params()),
                  lambda: jaxamp.state.policy_of(opt_state)):
         with pytest.raises(ValueError, match=words[0].replace("(", r"\(").replace(".", r"\.")):
@@ -168,7 +168,7 @@ def test_the_step_refuses_a_state_whose_policy_disagrees_with_its_optimizer():
 
 def _flax_step(state, batch):
     def loss(p):
-        return jaxamp.scale_loss(mse_loss(p, batch), state.opt_state)
+        return jaxamp.state.scale_loss(mse_loss(p, batch), state.opt_state)
     return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
 
@@ -179,7 +179,8 @@ def test_flax_train_state_with_working_params_trains_in_bf16():
     for _ in range(2):
         state = jax.jit(_flax_step)(state, make_batch())
     assert all(p.dtype == BF16 for p in jax.tree.leaves(state.params))
-    assert all(m.dtype == F32 for m in jax.tree.leaves(jaxamp.get_master_params(state.opt_state)))
+    master = jaxamp.state.get_master_params(state.opt_state)
+    assert all(m.dtype == F32 for m in jax.tree.leaves(master))
 
 
 def test_flax_train_state_with_fp32_params_is_an_error_not_an_fp32_run():
@@ -209,7 +210,7 @@ class _Mlp(nnx.Module):
 def _nnx_step(model, optimizer, batch):
     def loss_fn(model):
         pred = model(batch["x"].astype(BF16)).astype(F32)
-        return jaxamp.scale_loss(jnp.mean((pred - batch["y"]) ** 2), optimizer.opt_state)
+        return jaxamp.state.scale_loss(jnp.mean((pred - batch["y"]) ** 2), optimizer.opt_state)
     optimizer.update(model, nnx.grad(loss_fn)(model))
 
 
@@ -219,7 +220,7 @@ def test_nnx_optimizer_with_a_cast_model_trains_in_bf16():
     optimizer = nnx.Optimizer(model, mp(), wrt=nnx.Param)  # the master: the fp32 values
     policy = jaxamp.get_policy("mixed_bfloat16")
     nnx.update(model, policy.cast_params_to_compute(nnx.state(model, nnx.Param)))
-    for m, p in zip(jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state)), fp32,
+    for m, p in zip(jax.tree.leaves(jaxamp.state.get_master_params(optimizer.opt_state)), fp32,
                     strict=True):
         np.testing.assert_array_equal(m, p)
     batch = make_batch()
@@ -229,7 +230,7 @@ def test_nnx_optimizer_with_a_cast_model_trains_in_bf16():
             nnx.jit(_nnx_step)(model, optimizer, batch)
     assert all(p.dtype == BF16 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert all(m.dtype == F32
-               for m in jax.tree.leaves(jaxamp.get_master_params(optimizer.opt_state)))
+               for m in jax.tree.leaves(jaxamp.state.get_master_params(optimizer.opt_state)))
 
 
 def test_nnx_optimizer_with_an_fp32_model_is_an_error_not_an_fp32_run():

@@ -22,7 +22,7 @@ from train.configs import PRESETS
 from train.configs import get_config
 
 PROG = "python -m train"
-PRECISIONS = jaxamp.PRESETS  # the one list of presets
+PRECISIONS = jaxamp.Policy.PRESETS  # the one list of presets
 DATA_HELP = (
     "your own data instead of the task's. --task digits: a .npz archive, "
     "np.savez(FILE, image=images, label=labels), with images [N, H, W] or [N, H, W, C] (uint8 "
@@ -89,11 +89,11 @@ def parser() -> argparse.ArgumentParser:
                     help="with --precision mixed_fp8: current (default) scales each FP8 tensor "
                          "by its own amax, through jaxamp.autocast, for any model; delayed "
                          "keeps amax histories in the model state (bert_* and gpt_* models)")
-    ap.add_argument("--fp8-granularity", choices=jaxamp.fp8.GRANULARITIES,
+    ap.add_argument("--fp8-granularity", choices=jaxamp.fp8.CurrentScaling.GRANULARITIES,
                     help="with --fp8-recipe current: one scale per tensor (default), per row "
                          "along the contraction (rowwise), per 1x128 tile and 128x128 weight "
                          "block (blocks), or per 1x32 tile with power-of-two scales (mxfp8)")
-    ap.add_argument("--fp8-weight-grad", choices=jaxamp.fp8.WEIGHT_GRADS,
+    ap.add_argument("--fp8-weight-grad", choices=jaxamp.fp8.CurrentScaling.WEIGHT_GRADS,
                     help="with --fp8-recipe current: the weight-gradient GEMM in FP8 (default) "
                          "or in the compute dtype (high)")
     ap.add_argument("--fp8-every-matmul", dest="fp8_keep_bf16", action="store_false",
@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
                     help="with --fp8-recipe delayed: the amax history length (default 16)")
     ap.add_argument("--fp8-margin", type=int, metavar="M",
                     help="with --fp8-recipe delayed: divide each scale by 2**M (default 0)")
-    ap.add_argument("--fp8-algo", choices=jaxamp.fp8.AMAX_ALGOS,
+    ap.add_argument("--fp8-algo", choices=jaxamp.fp8.DelayedScaling.AMAX_ALGOS,
                     help="with --fp8-recipe delayed: the scale follows the history's max "
                          "(default) or its most recent amax")
     ap.add_argument("--loss-scale", choices=("auto", "dynamic", "static", "none"))

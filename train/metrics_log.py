@@ -188,7 +188,7 @@ def precision_label(precision: str) -> str:
     (``"auto → float32 on cpu"``)."""
     if precision != "auto":
         return precision
-    return f"auto → {jaxamp.resolve_auto()} on {jax.local_devices()[0].platform}"
+    return f"auto → {jaxamp.Policy.resolve_auto()} on {jax.local_devices()[0].platform}"
 
 
 def compare_table(results: list[dict]) -> str:

@@ -228,7 +228,7 @@ def _summary(config: Config, final: jaxamp.TrainState, stopped: int | None,
     return {"config": dataclasses.asdict(config),
             "precision": precision_label(config.precision), "steps": stopped or config.steps,
             "stopped_by_signal": stopped is not None, "resumed_from": resumed_from,
-            "skipped_steps": int(jaxamp.find_state(final.opt_state).health.skipped_steps),
+            "skipped_steps": int(jaxamp.state.find_state(final.opt_state).health.skipped_steps),
             "loss_scale": _scalar(final.loss_scale)}
 
 

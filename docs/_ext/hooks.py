@@ -22,7 +22,8 @@ from mkdocs.structure.files import Files
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PUBLIC_MODULES = ("jaxamp", "jaxamp.equinox", "jaxamp.fp8", "jaxamp.gradients", "jaxamp.memory",
-                  "jaxamp.ops", "jaxamp.parallel", "jaxamp.rounding", "jaxamp.state")
+                  "jaxamp.ops", "jaxamp.parallel", "jaxamp.reports", "jaxamp.rounding",
+                  "jaxamp.state")
 # Repository files shown as pages: (source, page).
 _PAGES = {"BENCHMARKS.md": "benchmarks.md", "CHANGELOG.md": "changelog.md"}
 _LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
@@ -136,8 +137,8 @@ def _to_repository(match: re.Match, page_dir: pathlib.Path, files: Files, repo: 
 _MODULE_PAGES = {"jaxamp.equinox": "equinox.md", "jaxamp.fp8": "fp8.md",
                  "jaxamp.gradients": "gradients.md",
                  "jaxamp.memory": "memory.md", "jaxamp.ops": "ops.md",
-                 "jaxamp.parallel": "parallel.md", "jaxamp.rounding": "rounding.md",
-                 "jaxamp.state": "state.md"}
+                 "jaxamp.parallel": "parallel.md", "jaxamp.reports": "audit.md",
+                 "jaxamp.rounding": "rounding.md", "jaxamp.state": "state.md"}
 
 
 def api_table() -> str:

@@ -41,8 +41,9 @@ class Config:
     # and where the weight-gradient GEMM runs (fp8 | high: the compute dtype).
     fp8_granularity: str = "tensor"
     fp8_weight_grad: str = "fp8"
-    # current only: False quantizes every matmul, the embeddings' and head's (jaxamp.fp8.KEEP)
-    # and the attention's batched ones too; True (default) keeps those in the compute dtype.
+    # current only: False quantizes every matmul, the embeddings' and head's
+    # (jaxamp.fp8.CurrentScaling.KEEP) and the attention's batched ones too; True (default)
+    # keeps those in the compute dtype.
     fp8_keep_bf16: bool = True
     fp8_history: int = 16
     fp8_margin: int = 0  # delayed: each scale is divided by 2**fp8_margin
