@@ -70,9 +70,11 @@ from jaxamp._train_step import TrainState
 from jaxamp._train_step import make_train_step
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use (it imports equinox)
-    from jaxamp import equinox
+    from jaxamp import equinox as equinox
 
 __version__ = "0.1.0"
+# ``jaxamp.equinox`` (an optional dependency's module, loaded on first use) is public but not in
+# ``__all__``: ``from jaxamp import *`` works without equinox installed.
 
 __all__ = (
     "DynamicLossScale",
@@ -85,7 +87,6 @@ __all__ = (
     "audit",
     "audit_grad",
     "autocast",
-    "equinox",
     "explain_overflow",
     "fp8",
     "full_precision",

@@ -82,18 +82,19 @@ __all__ = [
     "Health",
     "Master",
     "MixedPrecisionState",
+    "apply_updates",
     "find_state",
     "get_loss_scale",
     "get_master_params",
     "maybe_find_state",
     "mixed_precision",
-    "apply_updates",
     "next_working_params",
     "policy_of",
     "scale_loss",
     "skip_or_apply",
     "storage_of",
     "working_params",
+    "wrap_plain",
 ]
 
 
@@ -221,6 +222,9 @@ def _apply(inner, extra_args, storage: Storage, scale, master, comp, inner_state
     is :func:`stored_moments` in bf16, which takes its key as an extra argument."""
     grads = scale.unscale(grads)  # fp32, with the scale used for this step (pre-adjust)
     view = storage.view(params, master, comp)
+    # In each value's dtype: fp32, but for a param that is its own master in a half
+    # param_dtype (a pure half policy), whose optimizer state is in that dtype too.
+    grads = jax.tree.map(lambda g, v: g.astype(v.dtype), grads, view)
     param_key = moment_key = None
     if key is not None:
         param_key, moment_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -624,6 +628,17 @@ def mixed_precision(
     """
     policy = get_policy(policy)
     _warn_pure_half(policy)
+    return _transform(inner, policy, loss_scale, stall_after, skip, master, moments_dtype, seed)
+
+
+def wrap_plain(inner: optax.GradientTransformation, policy: Policy):
+    """``mixed_precision(inner, policy)`` with its defaults, for a plain optax transform that
+    :meth:`jaxamp.TrainState.create` wraps (the policy was the caller's choice: no warning)."""
+    return _transform(inner, policy, None, 10, "auto", "float32", None, 0)
+
+
+def _transform(inner, policy: Policy, loss_scale, stall_after, skip, master, moments_dtype,
+               seed) -> optax.GradientTransformationExtraArgs:
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)

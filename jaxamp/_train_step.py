@@ -20,7 +20,7 @@ that the caller wraps in ``jax.jit`` or ``jax.pmap``. Per step:
    statistics) too;
 7. return metrics computed in-graph.
 
-The policy comes from the optimizer state (the :class:`~jaxamp.MixedPrecisionState` carries
+The policy comes from the optimizer state (the :class:`~jaxamp.state.MixedPrecisionState` carries
 it), never from an attribute of a function, so any harmless optax wrapper keeps it and a
 harmful one is a clear error.
 """
@@ -54,8 +54,8 @@ from jaxamp._master_weights import apply_updates
 from jaxamp._master_weights import find_state
 from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import maybe_find_state
-from jaxamp._master_weights import skip_or_apply
 from jaxamp._master_weights import storage_of
+from jaxamp._master_weights import wrap_plain
 from jaxamp._objective import Objective
 from jaxamp._objective import objective_of
 from jaxamp._policy import Policy
@@ -66,8 +66,6 @@ from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import static_field
-from jaxamp.gradients import GradStats
-from jaxamp.gradients import grad_stats
 
 __all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches", "step_rng"]
 
@@ -133,21 +131,30 @@ class TrainState(State, kw_only=True):
                model_state: Any = None, rng: Any = None) -> TrainState:
         """Builds the state from params in any precision (the master copy is made by ``tx``).
 
-        The policy is the one the :class:`~jaxamp.MixedPrecisionState` in ``tx``'s state
+        The policy is the one the :class:`~jaxamp.state.MixedPrecisionState` in ``tx``'s state
         carries, wherever a harmless wrapper (``optax.chain`` of it alone, a ``named_chain``)
-        put it; ``float32`` for a plain optax transform. ``policy``, when given, must agree. A
-        wrapping that cannot be correct (a clip outside it, ``optax.MultiSteps`` around it)
-        raises a ``ValueError`` that says what to write instead.
+        put it. A plain optax transform is wrapped: ``tx`` becomes
+        ``jaxamp.mixed_precision(tx, policy)`` with ``policy`` ``float32`` unless given (a
+        policy without a master: ``float32``, ``bfloat16``, ``float16``), so that every step
+        takes one path, with its finite check, skip and counters. ``policy``, when given, must
+        agree. A wrapping that cannot be correct (a clip outside it, ``optax.MultiSteps``
+        around it) raises a ``ValueError`` that says what to write instead.
 
         >>> import jax.numpy as jnp, optax, jaxamp
         >>> tx = optax.chain(jaxamp.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"))
         >>> s = TrainState.create(params={"w": jnp.ones(2)}, tx=tx)
-        >>> s.params["w"].dtype, jaxamp.get_master_params(s.opt_state)["w"].dtype
+        >>> s.params["w"].dtype, jaxamp.state.get_master_params(s.opt_state)["w"].dtype
         (dtype(bfloat16), dtype('float32'))
         """
         # Abstractly first: where is the state, and which policy does it carry?
-        policy = _resolve_policy(policy, maybe_find_state(jax.eval_shape(tx.init, params)))
-        opt_state = tx.init(policy.cast_to_param(params))
+        mp = maybe_find_state(jax.eval_shape(tx.init, params))
+        policy = _resolve_policy(policy, mp)
+        if mp is None:  # one path: a plain optax transform is mixed_precision's, at its policy
+            tx = wrap_plain(tx, policy)
+        with warnings.catch_warnings():
+            if mp is None:  # its moments are the caller's choice, as they were before the wrap
+                warnings.filterwarnings("ignore", message="the inner optimizer keeps its")
+            opt_state = tx.init(policy.cast_to_param(params))
         return cls(step=jnp.zeros((), jnp.int32), params=policy.cast_params_to_compute(params),
                    opt_state=opt_state, model_state=model_state, rng=rng, tx=tx, policy=policy)
 
@@ -371,21 +378,21 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         mp = _checked_optimizer_state(state)
-        if self.objective.autocast and mp is None:
+        if self.objective.autocast and not _has_half_compute(state.policy):
             warnings.warn(
                 "make_train_step(autocast=True) with an optimizer that jaxamp.mixed_precision "
                 "does not wrap: the state's policy is float32, so autocast changes nothing and "
                 "the step trains in fp32; wrap it: tx = jaxamp.mixed_precision(tx, "
                 '"mixed_bfloat16") (or "mixed_float16")', UserWarning, stacklevel=2)
         placed = self.distribution.place(self, state, batch)
-        scale = jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+        scale = mp.loss_scale.loss_scale
         batch = self.objective.batch_under(state.policy, batch)
         # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices;
         #    with retry_on_overflow, again at a backed-off scale while they overflow.
         rng = step_rng(self.objective, state)
         out = placed.gradients(self, state, mp, scale, batch, rng)
         retries = jnp.zeros((), jnp.int32)
-        if self.retries and mp is not None:
+        if self.retries:
             loss_scale, out, retries = _retry(self, placed, state, mp, batch, rng, out)
             state = state.replace(opt_state=_with_loss_scale(state.opt_state, loss_scale))
             mp, scale = find_state(state.opt_state), loss_scale.loss_scale
@@ -432,7 +439,7 @@ def _retry(step: TrainStep, placed: _Distribution, state: TrainState,
 
 
 def _with_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
-    """``opt_state`` with its :class:`~jaxamp.MixedPrecisionState`'s loss scale replaced."""
+    """``opt_state`` with its :class:`~jaxamp.state.MixedPrecisionState`'s loss scale replaced."""
     return jax.tree.map(
         lambda x: x._replace(loss_scale=loss_scale) if isinstance(x, MixedPrecisionState) else x,
         opt_state, is_leaf=lambda x: isinstance(x, MixedPrecisionState))
@@ -459,8 +466,7 @@ class _Distribution:
 
     def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
                grads, new_model_state, loss):
-        return _update(step, self is _LOCAL, mp is not None, state, grads, new_model_state,
-                       loss)
+        return _update(step, self is _LOCAL, state, grads, new_model_state, loss)
 
 
 _LOCAL = _Distribution()
@@ -522,14 +528,14 @@ class _Mesh(_Distribution):
 # The step, in pieces
 # --------------------------------------------------------------------------------------------
 
-def _update(step: TrainStep, local: bool, mixed: bool, state: TrainState, grads,
+def _update(step: TrainStep, local: bool, state: TrainState, grads,
             new_model_state, loss, cast_sharding: Any = None):
-    """The optimizer's update (``mixed``: by :func:`jaxamp.mixed_precision`), skipped where a
-    gradient or the loss is not finite; the new model state, kept only on an applied step.
+    """The optimizer's update (by :func:`jaxamp.mixed_precision`), skipped where a gradient
+    or the loss is not finite; the new model state, kept only on an applied step.
     ``local``: the step runs on one device (no axis, no mesh)."""
-    if mixed and _pins_layout(step.pin_grad_layout, local, state):
+    if _pins_layout(step.pin_grad_layout, local, state):
         grads = row_major_grads(grads)
-    new_state, metrics = _apply_update(state, grads, loss, mixed, cast_sharding)
+    new_state, metrics = _apply_update(state, grads, loss, cast_sharding)
     if step.objective.has_model_state:
         model_state = select(metrics["grads_finite"], new_model_state, state.model_state)
         new_state = new_state.replace(model_state=model_state)
@@ -544,14 +550,18 @@ def _update_on_explicit_mesh(step: TrainStep, dp: _data_parallel.DataParallel,
     and hands back the state's own shardings; the working params are cast on the master's
     shards and then gathered in their (compute) dtype."""
     cast_sharding = jax.tree.map(lambda x: dp.sharding_of(x).spec,
-                                 state.params if mp is None else storage_of(mp, state.params))
+                                 storage_of(mp, state.params))
     replicated = NamedSharding(dp.abstract_mesh, PartitionSpec())
     # Declared: auto_axes is unannotated, and its inferred type includes the decorator
     # factory that ``auto_axes(out_sharding=...)`` (no function) returns.
     update: Callable[..., Any] = jax.sharding.auto_axes(
-        functools.partial(_update, step, False, mp is not None, cast_sharding=cast_sharding),
+        functools.partial(_update, step, False, cast_sharding=cast_sharding),
         out_sharding=(jax.tree.map(dp.sharding_of, state), replicated))
     return update(state, grads, new_model_state, loss)
+
+
+def _has_half_compute(policy: Policy) -> bool:
+    return jnp.dtype(policy.compute_dtype).itemsize < 4
 
 
 def _has_half_params(policy: Policy, params: Any) -> bool:
@@ -574,7 +584,7 @@ def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
     optimizer state is sharded, else ``pmean``. ZeRO-3 params are all-gathered inside, in the
     compute dtype, and never differentiated through the gather (whose transpose would
     reduce-scatter in bf16)."""
-    storage = state.params if mp is None else storage_of(mp, state.params)
+    storage = storage_of(mp, state.params)
     param_specs = jax.tree.map(dp.spec_of, state.params)
     grad_specs = jax.tree.map(dp.spec_of, storage)
     has_model_state = step.objective.has_model_state
@@ -603,11 +613,15 @@ def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
       scale, rng)
 
 
-def _checked_optimizer_state(state: TrainState):
+def _checked_optimizer_state(state: TrainState) -> MixedPrecisionState:
     if not isinstance(state, TrainState):
         raise TypeError(f"step expects a jaxamp.TrainState, got {type(state).__name__}; "
                         "build it with jaxamp.TrainState.create(params=..., tx=...)")
     mp = maybe_find_state(state.opt_state)
+    if mp is None:
+        raise ValueError("the state's optimizer state holds no jaxamp.mixed_precision state: "
+                         "build the state with jaxamp.TrainState.create(params=..., tx=...), "
+                         "which wraps a plain optax transform")
     _resolve_policy(state.policy, mp)  # the checks of TrainState.create, on this state
     return mp
 
@@ -692,41 +706,22 @@ def _reduce_across_devices(step: TrainStep, axis: str, loss, grads, new_model_st
     return loss, grads, new_model_state
 
 
-def _apply_update(state: TrainState, grads: Any, loss: jax.Array, mixed: bool,
-                  cast_sharding: Any = None):
-    """The optimizer's update and the metrics it reports. With
-    :func:`jaxamp.mixed_precision` the transform decides the skip (it is handed the loss as
-    optax's ``value``: a non-finite loss skips the step too); a plain optax transform is
-    skipped by the same ``skip_or_apply`` (a select), with the same metrics. ``cast_sharding``:
-    where the cast of the master to the working params runs (the master's shards)."""
-    if mixed:
-        # mixed_precision, alone or in an optax.chain (find_state refuses other wrappers), takes
-        # extra arguments; the declared type of tx does not say so.
-        params, opt_state = apply_updates(state.tx, grads, state.opt_state, state.params,
-                                          value=loss)
-        mp = find_state(opt_state)
-        if cast_sharding is not None:
-            params = lax.with_sharding_constraint(params, cast_sharding)
-        health = mp.health
-        stats = GradStats(health.grads_finite, health.grad_norm, health.nonfinite_leaves,
-                          health.first_nonfinite_leaf)
-        skipped, skips_at_min, stalled = (health.skipped_steps, health.skips_at_min_scale,
-                                          health.stalled)
-    else:
-        stats = grad_stats(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        stats = stats._replace(finite=stats.finite & jnp.isfinite(loss))
-
-        def apply(params, opt_state):
-            updates, opt_state = state.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-        params, opt_state = skip_or_apply("select", stats.finite, apply,
-                                          lambda *kept: kept, state.params, state.opt_state)
-        skipped = skips_at_min = jnp.zeros((), jnp.int32)
-        stalled = jnp.array(False)
-    metrics = {"grads_finite": stats.finite, "skipped_steps": skipped, "grad_norm": stats.norm,
-               "nonfinite_leaves": stats.nonfinite_leaves,
-               "first_nonfinite_leaf": stats.first_nonfinite_leaf,
-               "skips_at_min_scale": skips_at_min, "stalled": stalled}
+def _apply_update(state: TrainState, grads: Any, loss: jax.Array, cast_sharding: Any = None):
+    """The optimizer's update and the metrics it reports, read from the new state's health in
+    one place. :func:`jaxamp.mixed_precision` decides the skip (it is handed the loss as
+    optax's ``value``: a non-finite loss skips the step too). ``cast_sharding``: where the
+    cast of the master to the working params runs (the master's shards)."""
+    # mixed_precision, alone or in an optax.chain (find_state refuses other wrappers), takes
+    # extra arguments; the declared type of tx does not say so.
+    params, opt_state = apply_updates(state.tx, grads, state.opt_state, state.params,
+                                      value=loss)
+    if cast_sharding is not None:
+        params = lax.with_sharding_constraint(params, cast_sharding)
+    health = find_state(opt_state).health
+    metrics = {"grads_finite": health.grads_finite, "skipped_steps": health.skipped_steps,
+               "grad_norm": health.grad_norm, "nonfinite_leaves": health.nonfinite_leaves,
+               "first_nonfinite_leaf": health.first_nonfinite_leaf,
+               "skips_at_min_scale": health.skips_at_min_scale, "stalled": health.stalled}
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

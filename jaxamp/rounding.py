@@ -23,17 +23,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
 from jaxamp._tree import HALF_DTYPES
 
 __all__ = ["Blockwise8bit", "dequantize_blockwise", "dynamic_map", "kahan_join", "kahan_split",
-           "quantize_blockwise", "stochastic_round"]
+           "quantize_blockwise", "rounding_noise", "stochastic_round"]
 
 
 
@@ -95,6 +97,57 @@ def stochastic_round(x: jax.Array, dtype: DTypeLike, key: jax.Array) -> jax.Arra
     u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)  # uniform in [0, 1)
     finite = jnp.isfinite(x) & jnp.isfinite(other)
     return jnp.where(finite & (u < p), other, near)
+
+
+def rounding_noise(params: Any, learning_rates: ArrayLike,
+                   dtype: DTypeLike = jnp.bfloat16) -> float:
+    """The noise :func:`stochastic_round` is predicted to add to the params over a run, as a
+    fraction of how far the run moves them: the median over the params' elements.
+
+    The prediction reads only the learning rate of each step and the params' magnitudes. An
+    Adam-family update moves a param by about the learning rate ``lr_t`` per step. Where that
+    is a fraction ``f`` of ``dtype``'s spacing ``s`` at the param, rounding it stochastically
+    adds a variance of ``s**2 * frac(f) * (1 - frac(f))``; over the run the noise is the square
+    root of the summed variances, and the movement the summed learning rates. A param's
+    magnitude is taken as at least the peak learning rate (a param that starts at zero does
+    not stay there). ``master="stochastic"`` under the training CLI warns above
+    ``train.train.STOCHASTIC_NOISE_WARNING``.
+
+    Args:
+      params: the params (or their fp32 values), any tree of arrays.
+      learning_rates: the learning rate of every step of the run (a schedule's values).
+      dtype: the half-precision dtype the params are rounded to.
+
+    >>> import numpy as np
+    >>> params = {"w": np.full((4,), 0.5, np.float32)}  # bf16's spacing at 0.5: 2**-8
+    >>> round(rounding_noise(params, [2.0**-10] * 100), 4)  # a quarter of it, 100 steps
+    0.1732
+    """
+    dtype = _check_half(dtype, "rounding_noise")
+    lrs = np.asarray(learning_rates, np.float64).ravel()
+    if lrs.size == 0 or not np.all(np.isfinite(lrs)) or np.any(lrs < 0) or lrs.sum() <= 0:
+        raise ValueError(f"learning_rates must hold each step's learning rate (finite, >= 0, "
+                         f"not all 0), got {lrs.size} values summing to {lrs.sum():g}")
+    bits = jnp.finfo(dtype).nmant
+    ratios, counts = [], []
+    for leaf in jax.tree.leaves(params):
+        values = np.abs(np.asarray(leaf, np.float32)).ravel()
+        if values.size == 0:
+            continue
+        magnitude = np.maximum(values, lrs.max())
+        # Elements of one binade share a spacing: one prediction per binade.
+        spacing, count = np.unique(np.exp2(np.floor(np.log2(magnitude)) - bits),
+                                   return_counts=True)
+        fraction = np.modf(lrs[None, :] / spacing[:, None])[0]
+        noise = np.sqrt((spacing[:, None] ** 2 * fraction * (1 - fraction)).sum(axis=1))
+        ratios.append(noise / lrs.sum())
+        counts.append(count)
+    if not ratios:
+        raise ValueError("params holds no array to predict the rounding noise of")
+    ratio, count = np.concatenate(ratios), np.concatenate(counts)
+    order = np.argsort(ratio)
+    median = np.searchsorted(np.cumsum(count[order]), count.sum() / 2)
+    return float(ratio[order][median])
 
 
 def hashed_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:

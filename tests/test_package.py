@@ -18,9 +18,14 @@ PACKAGE = pathlib.Path(jaxamp.__file__).parent
 API_PAGES = PACKAGE.parent / "docs" / "api"
 
 
+# A public module of an optional dependency: reachable as jaxamp.equinox, not in __all__ (a
+# star import must work without equinox installed).
+OPTIONAL = ("equinox",)
+
+
 def _public_modules() -> dict[str, ModuleType]:
     """``jaxamp`` and every public module it exports, by dotted name."""
-    modules = {f"jaxamp.{n}": getattr(jaxamp, n) for n in jaxamp.__all__}
+    modules = {f"jaxamp.{n}": getattr(jaxamp, n) for n in (*jaxamp.__all__, *OPTIONAL)}
     return {"jaxamp": jaxamp} | {n: m for n, m in modules.items() if isinstance(m, ModuleType)}
 
 
@@ -51,7 +56,8 @@ def test_every_library_module_but_the_public_subpackages_is_private():
     assert public == ["equinox", "fp8", "gradients", "memory", "ops", "parallel", "reports",
                       "rounding", "state"]
     exported_modules = {n for n in jaxamp.__all__ if isinstance(getattr(jaxamp, n), ModuleType)}
-    assert exported_modules == set(public)
+    assert exported_modules | set(OPTIONAL) == set(public)
+    assert not set(OPTIONAL) & set(jaxamp.__all__)
 
 
 def test_import_jaxamp_and_autocast_do_not_load_flax_nnx():

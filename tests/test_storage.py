@@ -498,3 +498,23 @@ def test_a_skipped_step_reads_no_old_param_after_its_branch():
     after = [e for e in jaxpr.eqns[conds[0] + 1:]
              if any(v in params for v in e.invars if not isinstance(v, Literal))]
     assert after == [], after
+
+
+def test_rounding_noise_is_the_predicted_noise_over_the_movement():
+    """A hand-computed case: bf16's spacing at 0.5 is 2**-8; a step of a quarter of it adds a
+    variance of s**2 * 3/16 and moves s/4, so over 100 steps the noise is sqrt(100 * 3/16) s
+    and the movement 25 s. The median is over elements: three of four at 0.5 decide."""
+    from jaxamp.rounding import rounding_noise
+    lrs = [2.0**-10] * 100
+    want = np.sqrt(100 * 3 / 16) / 25
+    assert rounding_noise({"w": np.full(4, 0.5, np.float32)}, lrs) == pytest.approx(want)
+    mixed = {"a": np.full(3, 0.5, np.float32), "b": np.full(1, 64.0, np.float32)}
+    assert rounding_noise(mixed, lrs) == pytest.approx(want)
+    # A step that is a whole number of spacings rounds exactly: no noise.
+    assert rounding_noise({"w": np.full(4, 0.5, np.float32)}, [2.0**-8] * 10) == 0.0
+    # float16 has 3 more significant bits: 8x finer spacing, a step of 2 spacings exactly.
+    assert rounding_noise({"w": np.full(4, 0.5, np.float32)}, lrs, F16) == 0.0
+    with pytest.raises(ValueError, match="learning_rates must hold each step's"):
+        rounding_noise({"w": np.ones(2, np.float32)}, [0.0, 0.0])
+    with pytest.raises(ValueError, match="rounds to bfloat16 or float16"):
+        rounding_noise({"w": np.ones(2, np.float32)}, lrs, F32)

@@ -270,10 +270,9 @@ def test_a_nonfinite_loss_with_finite_gradients_skips_the_step(layout, value):
     assert not np.any(np.asarray(m["grads_finite"]))  # and the step is skipped all the same
     assert np.all(np.asarray(m["nonfinite_leaves"]) == 0)
     assert_tree_bitwise_equal(state.params, before.params)
-    assert_tree_bitwise_equal(state.opt_state if plain else mp_state(state).inner_state,
-                              before.opt_state if plain else mp_state(before).inner_state)
+    assert_tree_bitwise_equal(mp_state(state).inner_state, mp_state(before).inner_state)
+    assert np.all(np.asarray(m["skipped_steps"]) == 1)  # one path: the plain transform too
     if not plain:
-        assert np.all(np.asarray(m["skipped_steps"]) == 1)
         assert_tree_bitwise_equal(mp_state(state).master.params, mp_state(before).master.params)
         np.testing.assert_array_equal(np.asarray(mp_state(state).loss_scale.loss_scale),
                                       np.full_like(np.asarray(m["loss_scale"]), 2.0**7))
@@ -739,7 +738,15 @@ def test_a_mixed_policy_needs_a_mixed_precision_transform():
 
 
 def test_a_plain_optax_transform_trains_in_float32_and_skips_non_finite_steps():
-    state = jaxamp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+    """``TrainState.create`` wraps a plain optax transform in ``mixed_precision(tx,
+    "float32")``: one path for every step, with the same skip and counters; the inner state is
+    optax's own."""
+    sgd = optax.sgd(0.1)
+    state = jaxamp.TrainState.create(params={"w": jnp.ones(3)}, tx=sgd)
+    mp = mp_state(state)
+    assert str(mp.policy) == str(jaxamp.get_policy("float32"))
+    assert isinstance(mp.loss_scale, jaxamp.NoOpLossScale)
+    assert jax.tree.structure(mp.inner_state) == jax.tree.structure(sgd.init({"w": jnp.ones(3)}))
 
     def loss_fn(params, batch):
         return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
@@ -751,9 +758,19 @@ def test_a_plain_optax_transform_trains_in_float32_and_skips_non_finite_steps():
     np.testing.assert_allclose(state.params["w"], 1.0 - 0.1 * 2 * 3.0, rtol=1e-6)
     before = state
     state, m = step(state, {"x": batch["x"].at[0, 0].set(jnp.inf), "y": batch["y"]})
-    assert not bool(m["grads_finite"])
+    assert not bool(m["grads_finite"]) and int(m["skipped_steps"]) == 1
     assert_tree_bitwise_equal(state.params, before.params)
-    assert_tree_bitwise_equal(state.opt_state, before.opt_state)
+    assert_tree_bitwise_equal(mp_state(state).inner_state, mp_state(before).inner_state)
+
+
+def test_a_state_built_by_hand_around_a_plain_optax_state_is_refused():
+    params = {"w": jnp.ones(3)}
+    state = jaxamp.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                              opt_state=optax.sgd(0.1).init(params), tx=optax.sgd(0.1),
+                              policy=jaxamp.get_policy("float32"))
+    with pytest.raises(ValueError, match="holds no jaxamp.mixed_precision state: build the "
+                                         "state with jaxamp.TrainState.create"):
+        jaxamp.make_train_step(mse_loss)(state, make_batch())
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])

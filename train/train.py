@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import signal
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -205,12 +206,40 @@ def fp8_recipe_of(config: Config, policy: jaxamp.Policy) -> jaxamp.fp8.DelayedSc
     return None
 
 
+STOCHASTIC_NOISE_WARNING = 0.3
+"""``--master stochastic`` warns when ``jaxamp.rounding.rounding_noise`` predicts more noise
+than this fraction of the run's movement: beyond the largest prediction measured to train as
+the fp32 master does (0.28, the text preset at lr 3e-6; BENCHMARKS.md)."""
+
+
+def warn_of_stochastic_noise(config: Config, policy: jaxamp.Policy, params: Any,
+                             schedule: Callable[[int], Any]) -> float | None:
+    """Under ``--master stochastic``: the predicted rounding noise of the run (its learning
+    rates against the params' magnitudes), with a warning above
+    :data:`STOCHASTIC_NOISE_WARNING`; else ``None``."""
+    if config.master != "stochastic" or np.dtype(policy.compute_dtype).itemsize != 2:
+        return None
+    lrs = np.asarray(jax.vmap(schedule)(np.arange(config.steps)), np.float64)
+    noise = jaxamp.rounding.rounding_noise(policy.cast_to_param(params), lrs,
+                                           policy.compute_dtype)
+    if noise > STOCHASTIC_NOISE_WARNING:
+        warnings.warn(
+            f"--master stochastic: at --lr {config.lr:g} over {config.steps} steps, stochastic "
+            f"rounding is predicted to add noise of {noise:.0%} of how far the params move "
+            f"(jaxamp.rounding.rounding_noise; measured to train as the fp32 master up to "
+            f"{STOCHASTIC_NOISE_WARNING:.0%}). Use --master kahan (2 bytes more a param, exact) "
+            "or --master float32", UserWarning, stacklevel=2)
+    return noise
+
+
 def create_train_state(config: Config, policy: jaxamp.Policy, params: Any,
                        model_state: Any) -> jaxamp.TrainState:
     """AdamW with warmup and cosine decay (after clipping the gradients' global norm to
-    ``config.grad_clip``, when it is set), wrapped by ``jaxamp.mixed_precision``."""
+    ``config.grad_clip``, when it is set), wrapped by ``jaxamp.mixed_precision``; under
+    ``--master stochastic``, a warning where its rounding noise is predicted to matter."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, config.lr, config.warmup_steps,
                                                   max(config.steps, config.warmup_steps + 1))
+    warn_of_stochastic_noise(config, policy, params, schedule)
     inner = optax.adamw(schedule, weight_decay=config.weight_decay)
     if config.grad_clip:
         inner = optax.chain(optax.clip_by_global_norm(config.grad_clip), inner)

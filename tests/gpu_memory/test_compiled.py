@@ -209,7 +209,7 @@ def test_a_model_that_remats_keeps_what_its_remat_keeps_in_less_memory(model_rem
     layer-scanned transformer with remat'd layers (4 layers x 256, batch 4 x 512, vocabulary
     1024) compiled for an H200 needs less than under ``recompute=True`` (which also
     checkpoints the embedding, the head and the loss around the model's remat), and the same
-    as under ``recompute=False``. (MaxText's llama2: 2-7%, BENCHMARKS.md.)"""
+    as under ``recompute=False``. (MaxText's llama2: 5-7%, BENCHMARKS.md.)"""
     import functools
 
     from benchmarks import remat

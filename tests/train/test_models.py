@@ -483,3 +483,32 @@ def test_grad_clip_clips_the_unscaled_fp32_gradients_before_adamw():
         mu[clip] = np.asarray(adam.mu["w"])
     np.testing.assert_allclose(mu[0.0], 0.1 * 0.01, rtol=1e-3)
     np.testing.assert_allclose(mu[0.005], 0.1 * 0.0025, rtol=1e-3)
+
+
+@pytest.mark.parametrize("lr, master, warns", [
+    (None, "stochastic", False),      # the text preset as it ships: 0.07% predicted
+    (3e-6, "stochastic", False),      # 28%, the largest measured to train as the master
+    (1e-6, "stochastic", True),       # 49%: beyond what was measured
+    (1e-6, "kahan", False),           # exact: nothing to predict
+])
+def test_master_stochastic_warns_where_its_rounding_noise_is_predicted_to_matter(lr, master,
+                                                                                  warns):
+    """``--master stochastic`` predicts its rounding noise from the run's learning rates and
+    the params' magnitudes (``jaxamp.rounding.rounding_noise``) when the state is built, and
+    warns above ``STOCHASTIC_NOISE_WARNING``, naming ``--master kahan``."""
+    import warnings
+
+    from train import train as train_lib
+    from train.configs import get_config
+    config = get_config("text", precision="mixed_bfloat16", master=master, seed=0,
+                        progress=False, **({} if lr is None else {"lr": lr}))
+    policy = train_lib.policy_of(config)
+    _, _, meta = train_lib.build_data(config)
+    params, model_state = train_lib.build_model(config, policy, meta)[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_lib.create_train_state(config, policy, params, model_state)
+    said = [str(w.message) for w in caught if "--master stochastic" in str(w.message)]
+    assert len(said) == warns, said
+    if warns:
+        assert "--master kahan" in said[0] and "49%" in said[0]
