@@ -457,14 +457,14 @@ class _Distribution:
         del step, state, batch
         return self
 
-    def gradients(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
+    def gradients(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                   scale, batch, rng):
         """``(loss, reduced gradients of loss * scale, new model state, aux, seen)``."""
         del mp
         return _gradients(step, state.policy, state.params, scale, state.model_state, batch,
                           rng)
 
-    def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState | None,
+    def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                grads, new_model_state, loss):
         return _update(step, self is _LOCAL, state, grads, new_model_state, loss)
 
@@ -543,7 +543,7 @@ def _update(step: TrainStep, local: bool, state: TrainState, grads,
 
 
 def _update_on_explicit_mesh(step: TrainStep, dp: _data_parallel.DataParallel,
-                             state: TrainState, mp: MixedPrecisionState | None, grads,
+                             state: TrainState, mp: MixedPrecisionState, grads,
                              new_model_state, loss):
     """:func:`_update` where the arrays' types carry their shardings. The optimizer's own code
     (norms, masks, any optax transform) runs with the mesh axes Auto, as under any ``jit``,
@@ -578,7 +578,7 @@ def _gradients(step: TrainStep, policy: Policy, params, scale, model_state, batc
 
 
 def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
-                       state: TrainState, mp: MixedPrecisionState | None, scale, batch, rng):
+                       state: TrainState, mp: MixedPrecisionState, scale, batch, rng):
     """:func:`_gradients` of each device's shard of the batch under ``shard_map`` over the data
     axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
     optimizer state is sharded, else ``pmean``. ZeRO-3 params are all-gathered inside, in the
