@@ -43,7 +43,7 @@ FAST_CPU_COMPILE = $(shell $(1) -c 'import jaxlib.version as v; print("--xla_cpu
 TEST_SELECT ?= -m "not slow"
 
 test: $(STAMP) lint
-	@echo "make test: about 7.5 minutes on a 2-core machine from a fresh clone, the install of .venv included (lint and type checks, then the tests on 2 workers)"
+	@echo "make test: about 8 minutes on a 2-core machine from a fresh clone, the install of .venv included (lint and type checks, then the tests on 2 workers)"
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS) $(call FAST_CPU_COMPILE,$(PY))" \
 		$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(TEST_SELECT) \
 		jaxamp tests $(GPU_MEMORY_TESTS:%=--ignore=%) --ignore=$(ZOO_TESTS)
