@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._loss import described
 from jaxamp._master_weights import MixedPrecisionState
 from jaxamp._master_weights import maybe_find_state
 from jaxamp._master_weights import policy_of
@@ -135,15 +136,9 @@ def _split_outputs(out: Any, has_aux: bool, has_state: bool) -> Any:
     if ok and has_aux and has_state:
         ok = isinstance(out[1], tuple) and len(out[1]) == 2
     if not ok:
-        if isinstance(out, tuple):
-            got = f"a tuple of {len(out)}"
-        elif hasattr(out, "shape") and hasattr(out, "dtype"):
-            got = f"a single {jnp.dtype(out.dtype).name}{list(out.shape)} array"
-        else:
-            got = type(out).__name__
         raise ValueError(f"loss_fn must return {shape} with has_aux={has_aux} and "
-                         f"has_state={has_state}, got {got}; return that, or set the flags to "
-                         "what loss_fn returns")
+                         f"has_state={has_state}, got {described(out)}; return that, or set "
+                         "the flags to what loss_fn returns")
     if has_aux and has_state:
         return out[0], out[1][0], out[1][1]
     return out

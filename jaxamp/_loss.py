@@ -22,6 +22,16 @@ def check_loss(loss: Any, *, scalar: str = "loss_fn must return a scalar loss",
     return loss.astype(jnp.float32)
 
 
+def described(out: Any) -> str:
+    """What a loss function returned, for an error message: a tuple's length, an array's dtype
+    and shape, or the type."""
+    if isinstance(out, tuple):
+        return f"a tuple of {len(out)}"
+    if hasattr(out, "shape") and hasattr(out, "dtype"):
+        return f"a single {jnp.dtype(out.dtype).name}{list(out.shape)} array"
+    return type(out).__name__
+
+
 def split_outputs(out: Any, has_aux: bool, has_model_state: bool) -> tuple[Any, Any, Any]:
     """Unpacks ``loss``, ``(loss, aux)``, ``(loss, model_state)`` or ``(loss, state, aux)``."""
     expected = 1 + has_aux + has_model_state
@@ -35,15 +45,9 @@ def split_outputs(out: Any, has_aux: bool, has_model_state: bool) -> tuple[Any, 
     if not isinstance(out, tuple) or len(out) != expected:
         shape = {(True, False): "(loss, aux)", (False, True): "(loss, new_model_state)",
                  (True, True): "(loss, new_model_state, aux)"}[(has_aux, has_model_state)]
-        if isinstance(out, tuple):
-            got = f"a tuple of {len(out)}"
-        elif hasattr(out, "shape") and hasattr(out, "dtype"):
-            got = f"a single {jnp.dtype(out.dtype).name}{list(out.shape)} array"
-        else:
-            got = type(out).__name__
         raise ValueError(f"loss_fn must return {shape} with has_aux={has_aux} and "
-                         f"has_model_state={has_model_state}; got {got}. Return that tuple, "
-                         "or set the flags to what loss_fn returns")
+                         f"has_model_state={has_model_state}; got {described(out)}. Return that "
+                         "tuple, or set the flags to what loss_fn returns")
     loss = out[0]
     model_state = out[1] if has_model_state else None
     aux = out[-1] if has_aux else None

@@ -66,6 +66,7 @@ from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import static_field
+from jaxamp.gradients import all_finite
 
 __all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches", "step_rng"]
 
@@ -411,11 +412,6 @@ class TrainStep:
         return new_state, metrics
 
 
-def _overflowed(loss: jax.Array, grads: Any) -> jax.Array:
-    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads) if is_inexact_array(g)]
-    return ~functools.reduce(jnp.logical_and, finite, jnp.all(jnp.isfinite(loss)))
-
-
 def _retry(step: TrainStep, placed: _Distribution, state: TrainState,
            mp: MixedPrecisionState, batch: Any, rng: Any, out: tuple):
     """``(loss scale, gradients, retries)``: ``out`` (the gradients at the state's scale), or
@@ -427,7 +423,7 @@ def _retry(step: TrainStep, placed: _Distribution, state: TrainState,
 
     def again(carry):
         loss_scale, out, n = carry
-        return _overflowed(out[0], out[1]) & (n < step.retries) & lowers(loss_scale)
+        return ~all_finite((out[0], out[1])) & (n < step.retries) & lowers(loss_scale)
 
     def retry(carry):
         loss_scale, _, n = carry
