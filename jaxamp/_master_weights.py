@@ -385,10 +385,13 @@ class _MixedPrecision:
     master: str
     moments: Moments | None
     seed: Any
+    wraps_plain: bool = False
+    """A plain optax transform that :meth:`jaxamp.TrainState.create` wrapped: its moments are
+    the caller's choice, so ``init`` does not warn about them."""
 
     def init(self, params: Any) -> MixedPrecisionState:
         return _init(self.inner, self.policy, self.loss_scale, self.master, self.moments,
-                     self.seed, params)
+                     self.seed, params, warn=not self.wraps_plain)
 
     def _step(self, grads: Any, state: MixedPrecisionState, params: Any, extra_args: dict):
         return _update(self.inner, self.policy, self.stall_after, self.skip, self.master,
@@ -432,7 +435,8 @@ def _rounding_key(seed: Any) -> jax.Array:
 
 
 def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
-          moments: Moments | None, seed: Any, params) -> MixedPrecisionState:
+          moments: Moments | None, seed: Any, params, *, warn: bool = True
+          ) -> MixedPrecisionState:
     storage = Storage.build(policy, params, master_option, moments)
     # Fresh buffers: the state must never share one with the working params, or donating the
     # train state would donate it twice (an inner state may keep the params it was built on).
@@ -440,7 +444,7 @@ def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
                           policy.cast_to_param(params))
     master, comp = storage.init(values)
     inner_state = inner.init(values)
-    if moments is None:  # else stored_moments warns about the moments it leaves alone
+    if moments is None and warn:  # else stored_moments warns about the moments it leaves
         warn_half_second_moments(inner_state)
     return MixedPrecisionState(
         master=Master(master, comp,
@@ -633,12 +637,13 @@ def mixed_precision(
 
 def wrap_plain(inner: optax.GradientTransformation, policy: Policy):
     """``mixed_precision(inner, policy)`` with its defaults, for a plain optax transform that
-    :meth:`jaxamp.TrainState.create` wraps (the policy was the caller's choice: no warning)."""
-    return _transform(inner, policy, None, 10, "auto", "float32", None, 0)
+    :meth:`jaxamp.TrainState.create` wraps (the policy and the moments were the caller's
+    choice: no warning about them)."""
+    return _transform(inner, policy, None, 10, "auto", "float32", None, 0, wraps_plain=True)
 
 
 def _transform(inner, policy: Policy, loss_scale, stall_after, skip, master, moments_dtype,
-               seed) -> optax.GradientTransformationExtraArgs:
+               seed, *, wraps_plain: bool = False) -> optax.GradientTransformationExtraArgs:
     if loss_scale is None:
         loss_scale = DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
     inner = _as_transformation(inner)
@@ -652,7 +657,7 @@ def _transform(inner, policy: Policy, loss_scale, stall_after, skip, master, mom
     # its protocols are not generic in the state's type. These two implement the protocols
     # (they take and return a pytree state), so they are cast to them.
     transform = _MixedPrecision(inner, policy, loss_scale, stall_after, skip, master, moments,
-                                seed)
+                                seed, wraps_plain)
     init = cast(optax.TransformInitFn, transform.init)
     update = cast(optax.TransformUpdateExtraArgsFn, transform.update)
     return optax.GradientTransformationExtraArgs(init, update)

@@ -152,10 +152,7 @@ class TrainState(State, kw_only=True):
         policy = _resolve_policy(policy, mp)
         if mp is None:  # one path: a plain optax transform is mixed_precision's, at its policy
             tx = wrap_plain(tx, policy)
-        with warnings.catch_warnings():
-            if mp is None:  # its moments are the caller's choice, as they were before the wrap
-                warnings.filterwarnings("ignore", message="the inner optimizer keeps its")
-            opt_state = tx.init(policy.cast_to_param(params))
+        opt_state = tx.init(policy.cast_to_param(params))
         return cls(step=jnp.zeros((), jnp.int32), params=policy.cast_params_to_compute(params),
                    opt_state=opt_state, model_state=model_state, rng=rng, tx=tx, policy=policy)
 
