@@ -363,8 +363,7 @@ class _Step:
         objective = _objective(self.loss_fn, static, static_args, has_aux=self.has_aux,
                                has_state=self.has_state, autocast=self.autocast)
         train_state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                 opt_state=opt_state, model_state=state, tx=self.tx,
-                                 policy=mp.policy)
+                                 opt_state=opt_state, model_state=state, tx=self.tx)
         new, metrics = make_train_step(objective)(train_state, batch)
         model = eqx.combine(new.params, static)
         if self.has_state:

@@ -332,45 +332,6 @@ def _storage_for(state: MixedPrecisionState, policy: Policy, params: Any, option
     return storage
 
 
-def _update(inner, policy: Policy, stall_after: int | None, skip: str, master_option: str,
-            moments: Moments | None, updates, state: MixedPrecisionState, params=None,
-            **extra_args):
-    """``(storage, master, targets, new state)``: the step's new values, before they are
-    turned into updates (:meth:`_MixedPrecision.update`) or into the new params
-    (:meth:`_MixedPrecision.apply`)."""
-    if params is None:
-        raise ValueError("mixed_precision.update needs params (the working params) to "
-                         "compute updates; call tx.update(grads, state, params)")
-    _check_same_structure(updates, params, what="gradient tree",
-                          against="params tree passed to update")
-    _check_same_structure(params, state.master.params, what="params passed to update")
-    paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    storage = _storage_for(state, policy, params, master_option, moments)
-    _check_working_dtypes([p for _, p in paths_and_params], [k for k, _ in paths_and_params],
-                          storage.work_dtypes, policy)
-    # One reduction over the still-scaled grads gives the finite check, the norm and the count
-    # of non-finite leaves. It reads each gradient once, in its own dtype.
-    stats = grad_stats(updates, state.loss_scale.loss_scale)
-    # The loss (optax's ``value``), when given, counts too: a step whose loss is inf or nan is
-    # skipped as a non-finite gradient is, though its gradients may be finite (an fp16 sum that
-    # overflowed where nothing depends on it, a masked row).
-    value = extra_args.get("value")
-    if value is not None:
-        stats = stats._replace(finite=stats.finite & jnp.all(jnp.isfinite(value)))
-    # A skip leaves master, compensation and inner state untouched. lax.cond (skip="cond")
-    # lets XLA update donated buffers in place and never runs the optimizer on a skipped step;
-    # a select per leaf (skip="select") runs it always and keeps the old bits where the grads
-    # are not finite.
-    master, comp, inner_state, targets = skip_or_apply(
-        _resolve_skip(skip), stats.finite,
-        functools.partial(_apply, inner, extra_args, storage, state.loss_scale),
-        functools.partial(_skip, storage),
-        state.master.params, state.master.compensation, state.inner_state, params, updates,
-        _step_key(state))
-    return storage, master, targets, _new_state(state, master, comp, inner_state, stats,
-                                                stall_after)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class _MixedPrecision:
     """The transform :func:`mixed_precision` builds: its options, and the optax protocol's
@@ -390,12 +351,63 @@ class _MixedPrecision:
     the caller's choice, so ``init`` does not warn about them."""
 
     def init(self, params: Any) -> MixedPrecisionState:
-        return _init(self.inner, self.policy, self.loss_scale, self.master, self.moments,
-                     self.seed, params, warn=not self.wraps_plain)
+        storage = Storage.build(self.policy, params, self.master, self.moments)
+        # Fresh buffers: the state must never share one with the working params, or donating
+        # the train state would donate it twice (an inner state may keep the params it was
+        # built on).
+        values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
+                              self.policy.cast_to_param(params))
+        master, comp = storage.init(values)
+        inner_state = self.inner.init(values)
+        # stored_moments warns about the moments it leaves; a wrapped plain transform's
+        # moments are the caller's choice.
+        if self.moments is None and not self.wraps_plain:
+            warn_half_second_moments(inner_state)
+        return MixedPrecisionState(
+            master=Master(master, comp,
+                          _rounding_key(self.seed) if storage.needs_key else None),
+            inner_state=inner_state,
+            # Fresh buffers too: every init must survive another state's donation.
+            loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), self.loss_scale),
+            health=Health.create(),
+            policy=self.policy,
+            storage=storage,
+        )
 
-    def _step(self, grads: Any, state: MixedPrecisionState, params: Any, extra_args: dict):
-        return _update(self.inner, self.policy, self.stall_after, self.skip, self.master,
-                       self.moments, grads, state, params, **extra_args)
+    def _step(self, updates: Any, state: MixedPrecisionState, params: Any, extra_args: dict):
+        """``(storage, master, targets, new state)``: the step's new values, before they are
+        turned into updates (:meth:`update`) or into the new params (:meth:`apply`)."""
+        if params is None:
+            raise ValueError("mixed_precision.update needs params (the working params) to "
+                             "compute updates; call tx.update(grads, state, params)")
+        _check_same_structure(updates, params, what="gradient tree",
+                              against="params tree passed to update")
+        _check_same_structure(params, state.master.params, what="params passed to update")
+        paths_and_params = jax.tree_util.tree_flatten_with_path(params)[0]
+        storage = _storage_for(state, self.policy, params, self.master, self.moments)
+        _check_working_dtypes([p for _, p in paths_and_params],
+                              [k for k, _ in paths_and_params], storage.work_dtypes, self.policy)
+        # One reduction over the still-scaled grads gives the finite check, the norm and the
+        # count of non-finite leaves. It reads each gradient once, in its own dtype.
+        stats = grad_stats(updates, state.loss_scale.loss_scale)
+        # The loss (optax's ``value``), when given, counts too: a step whose loss is inf or nan
+        # is skipped as a non-finite gradient is, though its gradients may be finite (an fp16
+        # sum that overflowed where nothing depends on it, a masked row).
+        value = extra_args.get("value")
+        if value is not None:
+            stats = stats._replace(finite=stats.finite & jnp.all(jnp.isfinite(value)))
+        # A skip leaves master, compensation and inner state untouched. lax.cond
+        # (skip="cond") lets XLA update donated buffers in place and never runs the optimizer
+        # on a skipped step; a select per leaf (skip="select") runs it always and keeps the
+        # old bits where the grads are not finite.
+        master, comp, inner_state, targets = skip_or_apply(
+            _resolve_skip(self.skip), stats.finite,
+            functools.partial(_apply, self.inner, extra_args, storage, state.loss_scale),
+            functools.partial(_skip, storage),
+            state.master.params, state.master.compensation, state.inner_state, params, updates,
+            _step_key(state))
+        return storage, master, targets, _new_state(state, master, comp, inner_state, stats,
+                                                    self.stall_after)
 
     def update(self, updates: Any, state: MixedPrecisionState, params: Any = None,
                **extra_args) -> tuple[Any, MixedPrecisionState]:
@@ -414,16 +426,20 @@ class _MixedPrecision:
 
 
 def apply_updates(tx: Any, grads: Any, opt_state: Any, params: Any,
-                  **extra_args) -> tuple[Any, Any]:
-    """``(new working params, new optimizer state)`` of a step: ``tx``'s own
-    :meth:`_MixedPrecision.apply` where ``tx`` is :func:`mixed_precision` itself, else its
-    updates applied by :func:`next_working_params` (``mixed_precision`` inside a chain)."""
+                  **extra_args) -> tuple[Any, Any, MixedPrecisionState]:
+    """``(new working params, new optimizer state, its mixed-precision state)`` of a step:
+    ``tx``'s own :meth:`_MixedPrecision.apply` where ``tx`` is :func:`mixed_precision`
+    itself, else its updates applied by :func:`next_working_params` (``mixed_precision``
+    inside a chain)."""
     own = getattr(tx.update, "__self__", None)
     if isinstance(own, _MixedPrecision):
-        return own.apply(grads, opt_state, params, **extra_args)
+        params, state = own.apply(grads, opt_state, params, **extra_args)
+        return params, state, state
     updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
                                                                    **extra_args)
-    return next_working_params(opt_state, params, updates), opt_state
+    state = find_state(opt_state)
+    return (_storage_of(state).next_working(params, updates, state.master.params), opt_state,
+            state)
 
 
 def _rounding_key(seed: Any) -> jax.Array:
@@ -432,30 +448,6 @@ def _rounding_key(seed: Any) -> jax.Array:
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)
     return jnp.array(jax.random.key_data(key), copy=True)
-
-
-def _init(inner, policy: Policy, loss_scale: LossScale, master_option: str,
-          moments: Moments | None, seed: Any, params, *, warn: bool = True
-          ) -> MixedPrecisionState:
-    storage = Storage.build(policy, params, master_option, moments)
-    # Fresh buffers: the state must never share one with the working params, or donating the
-    # train state would donate it twice (an inner state may keep the params it was built on).
-    values = jax.tree.map(lambda x: jnp.array(x, copy=True) if hasattr(x, "dtype") else x,
-                          policy.cast_to_param(params))
-    master, comp = storage.init(values)
-    inner_state = inner.init(values)
-    if moments is None and warn:  # else stored_moments warns about the moments it leaves
-        warn_half_second_moments(inner_state)
-    return MixedPrecisionState(
-        master=Master(master, comp,
-                      _rounding_key(seed) if storage.needs_key else None),
-        inner_state=inner_state,
-        # Fresh buffers too: every init must survive another state's donation.
-        loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale),
-        health=Health.create(),
-        policy=policy,
-        storage=storage,
-    )
 
 
 def _as_transformation(tx: Any) -> Any:

@@ -51,7 +51,6 @@ from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
 from jaxamp._master_weights import MixedPrecisionState
 from jaxamp._master_weights import apply_updates
-from jaxamp._master_weights import find_state
 from jaxamp._master_weights import get_master_params
 from jaxamp._master_weights import maybe_find_state
 from jaxamp._master_weights import storage_of
@@ -71,13 +70,9 @@ from jaxamp.gradients import all_finite
 __all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches", "step_rng"]
 
 
-def _same_policy(a: Policy, b: Policy) -> bool:
-    return ((a.param_dtype, a.compute_dtype, a.overrides, a.fp8)
-            == (b.param_dtype, b.compute_dtype, b.overrides, b.fp8))
-
-
-def _resolve_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
-    """The state's policy: the one the optimizer carries, checked against an explicit one."""
+def _checked_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
+    """The policy of a state built on ``mp`` (``None``: a plain optax transform, which
+    :meth:`TrainState.create` wraps at ``policy``), checked against an explicit ``policy``."""
     if mp is None:
         policy = get_policy("float32" if policy is None else policy)
         if policy.is_mixed:
@@ -85,7 +80,7 @@ def _resolve_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
                              "tx is a plain optax transform; wrap it: "
                              "jaxamp.mixed_precision(tx, policy)")
         return policy
-    if policy is not None and not _same_policy(get_policy(policy), mp.policy):
+    if policy is not None and get_policy(policy) != mp.policy:
         raise ValueError(f"policy {get_policy(policy)} differs from the policy {mp.policy} "
                          "that tx was built with; pass the same policy to both, or omit it here")
     return mp.policy
@@ -102,7 +97,8 @@ class TrainState(State, kw_only=True):
       model_state: mutable model state such as BatchNorm statistics, or ``None``.
       rng: a base PRNG key (folded with ``step`` each step), or ``None``.
       tx: the optimizer (static).
-      policy: the precision policy (static), the one the optimizer state carries.
+
+    Its :attr:`policy` is the one its optimizer state carries (stored there only).
 
     >>> import jax.numpy as jnp, optax, jaxamp
     >>> tx = jaxamp.mixed_precision(optax.sgd(0.1), "mixed_float16")
@@ -124,8 +120,6 @@ class TrainState(State, kw_only=True):
     """A base PRNG key, folded with ``step`` at each step, or ``None``."""
     tx: optax.GradientTransformation = static_field()
     """The optimizer (static: part of the treedef, not a leaf)."""
-    policy: Policy = static_field()
-    """The precision policy (static), the one the optimizer state carries."""
 
     @classmethod
     def create(cls, *, params: Any, tx: optax.GradientTransformation, policy: Any = None,
@@ -149,26 +143,29 @@ class TrainState(State, kw_only=True):
         """
         # Abstractly first: where is the state, and which policy does it carry?
         mp = maybe_find_state(jax.eval_shape(tx.init, params))
-        policy = _resolve_policy(policy, mp)
+        policy = _checked_policy(policy, mp)
         if mp is None:  # one path: a plain optax transform is mixed_precision's, at its policy
             tx = wrap_plain(tx, policy)
         opt_state = tx.init(policy.cast_to_param(params))
         return cls(step=jnp.zeros((), jnp.int32), params=policy.cast_params_to_compute(params),
-                   opt_state=opt_state, model_state=model_state, rng=rng, tx=tx, policy=policy)
+                   opt_state=opt_state, model_state=model_state, rng=rng, tx=tx)
+
+    @property
+    def policy(self) -> Policy:
+        """The precision policy: the one the optimizer state carries."""
+        return _checked_optimizer_state(self).policy
 
     @property
     def master_params(self) -> Any:
         """Every param's value in ``param_dtype`` (fp32): the master copy, or ``param +
         compensation`` (``master="kahan"``), or the param itself (a param that is its own
         master, ``"stochastic"``, ``"none"``, a plain optax transform)."""
-        mp = maybe_find_state(self.opt_state)
-        return self.params if mp is None else get_master_params(mp, self.params)
+        return get_master_params(_checked_optimizer_state(self), self.params)
 
     @property
     def loss_scale(self) -> jax.Array:
-        """The current fp32 loss scale (1 for a plain optax transform)."""
-        mp = maybe_find_state(self.opt_state)
-        return jnp.ones((), jnp.float32) if mp is None else mp.loss_scale.loss_scale
+        """The current fp32 loss scale (1 under a policy without fp16)."""
+        return _checked_optimizer_state(self).loss_scale.loss_scale
 
 
 def _pins_layout(pin_grad_layout: bool | None, local: bool, state: TrainState) -> bool:
@@ -376,15 +373,15 @@ class TrainStep:
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         mp = _checked_optimizer_state(state)
-        if self.objective.autocast and not _has_half_compute(state.policy):
+        if self.objective.autocast and not _has_half_compute(mp.policy):
             warnings.warn(
                 "make_train_step(autocast=True) with an optimizer that jaxamp.mixed_precision "
                 "does not wrap: the state's policy is float32, so autocast changes nothing and "
                 "the step trains in fp32; wrap it: tx = jaxamp.mixed_precision(tx, "
                 '"mixed_bfloat16") (or "mixed_float16")', UserWarning, stacklevel=2)
-        placed = self.distribution.place(self, state, batch)
+        placed = self.distribution.place(self, state, mp, batch)
         scale = mp.loss_scale.loss_scale
-        batch = self.objective.batch_under(state.policy, batch)
+        batch = self.objective.batch_under(mp.policy, batch)
         # 1. The scaled gradients of each micro-batch, accumulated and reduced over the devices;
         #    with retry_on_overflow, again at a backed-off scale while they overflow.
         rng = step_rng(self.objective, state)
@@ -393,7 +390,7 @@ class TrainStep:
         if self.retries:
             loss_scale, out, retries = _retry(self, placed, state, mp, batch, rng, out)
             state = state.replace(opt_state=_with_loss_scale(state.opt_state, loss_scale))
-            mp, scale = find_state(state.opt_state), loss_scale.loss_scale
+            mp, scale = mp._replace(loss_scale=loss_scale), loss_scale.loss_scale
         loss, grads, new_model_state, aux, seen = out
         # 2. The model state's nodes (FP8 metadata) updated from what the step saw; an
         #    applied step keeps them, a skipped one drops them with the rest of the model state.
@@ -445,17 +442,16 @@ def _with_loss_scale(opt_state: Any, loss_scale: Any) -> Any:
 class _Distribution:
     """One device: the gradients of the whole batch, updated in place."""
 
-    def place(self, step: TrainStep, state: TrainState, batch: Any) -> _Distribution:
+    def place(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
+              batch: Any) -> _Distribution:
         """The distribution of this trace (a ``jit`` step finds its mesh on the arrays)."""
-        del step, state, batch
+        del step, state, mp, batch
         return self
 
     def gradients(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                   scale, batch, rng):
         """``(loss, reduced gradients of loss * scale, new model state, aux, seen)``."""
-        del mp
-        return _gradients(step, state.policy, state.params, scale, state.model_state, batch,
-                          rng)
+        return _gradients(step, mp.policy, state.params, scale, state.model_state, batch, rng)
 
     def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                grads, new_model_state, loss):
@@ -471,8 +467,8 @@ class _Axis(_Distribution):
 
     axis_name: str
 
-    def place(self, step, state, batch):
-        del step, state, batch
+    def place(self, step, state, mp, batch):
+        del step, state, mp, batch
         _check_axis_bound(self.axis_name)
         return self
 
@@ -494,10 +490,10 @@ class _Jit(_Distribution):
     mesh: Any
     data_axis: Any
 
-    def place(self, step, state, batch):
+    def place(self, step, state, mp, batch):
         del step
         dp = _data_parallel.find(self.mesh, self.data_axis, state, batch,
-                                 warn_implicit=_has_half_params(state.policy, state.params))
+                                 warn_implicit=_has_half_params(mp.policy, state.params))
         return _LOCAL if dp is None else _Mesh(dp)
 
 
@@ -589,7 +585,7 @@ def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
             model_state = _data_parallel.to_varying(model_state, dp.names)
         if rng is not None:
             rng = jax.random.fold_in(rng, lax.axis_index(dp.names))
-        loss, grads, new_model_state, aux, seen = _gradients(step, state.policy, params, scale,
+        loss, grads, new_model_state, aux, seen = _gradients(step, mp.policy, params, scale,
                                                              model_state, batch, rng)
         grads = _data_parallel.reduce(dp, grads, grad_specs, step.reduce_dtype)
         seen = [lax.pmax(a, dp.names) for a in seen]
@@ -615,7 +611,6 @@ def _checked_optimizer_state(state: TrainState) -> MixedPrecisionState:
         raise ValueError("the state's optimizer state holds no jaxamp.mixed_precision state: "
                          "build the state with jaxamp.TrainState.create(params=..., tx=...), "
                          "which wraps a plain optax transform")
-    _resolve_policy(state.policy, mp)  # the checks of TrainState.create, on this state
     return mp
 
 
@@ -706,11 +701,11 @@ def _apply_update(state: TrainState, grads: Any, loss: jax.Array, cast_sharding:
     cast of the master to the working params runs (the master's shards)."""
     # mixed_precision, alone or in an optax.chain (find_state refuses other wrappers), takes
     # extra arguments; the declared type of tx does not say so.
-    params, opt_state = apply_updates(state.tx, grads, state.opt_state, state.params,
-                                      value=loss)
+    params, opt_state, mp = apply_updates(state.tx, grads, state.opt_state, state.params,
+                                          value=loss)
     if cast_sharding is not None:
         params = lax.with_sharding_constraint(params, cast_sharding)
-    health = find_state(opt_state).health
+    health = mp.health
     metrics = {"grads_finite": health.grads_finite, "skipped_steps": health.skipped_steps,
                "grad_norm": health.grad_norm, "nonfinite_leaves": health.nonfinite_leaves,
                "first_nonfinite_leaf": health.first_nonfinite_leaf,

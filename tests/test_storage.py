@@ -470,7 +470,10 @@ def test_the_steps_new_params_are_what_optax_updates_give(master, policy):
 
     @jax.jit
     def as_the_step(state, batch):
-        return apply_updates(tx, grads_of(state, batch), state.opt_state, state.params)
+        params, opt_state, mp = apply_updates(tx, grads_of(state, batch), state.opt_state,
+                                              state.params)
+        assert mp is jaxamp.state.find_state(opt_state)
+        return params, opt_state
 
     for batch in (make_batch(), _poisoned(make_batch()), make_batch(2)):
         params, opt_state, applied = by_hand(state, batch)

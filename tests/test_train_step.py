@@ -766,8 +766,7 @@ def test_a_plain_optax_transform_trains_in_float32_and_skips_non_finite_steps():
 def test_a_state_built_by_hand_around_a_plain_optax_state_is_refused():
     params = {"w": jnp.ones(3)}
     state = jaxamp.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                              opt_state=optax.sgd(0.1).init(params), tx=optax.sgd(0.1),
-                              policy=jaxamp.get_policy("float32"))
+                              opt_state=optax.sgd(0.1).init(params), tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match="holds no jaxamp.mixed_precision state: build the "
                                          "state with jaxamp.TrainState.create"):
         jaxamp.make_train_step(mse_loss)(state, make_batch())

@@ -2,6 +2,7 @@
 the state wherever a harmless wrapper put it, and a wrapping that cannot be correct is a
 ``ValueError`` that says what to write instead. Never a silent fp32 run."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -151,16 +152,21 @@ def test_the_issue_examples_no_longer_train_in_fp32_silently():
         jaxamp.TrainState.create(params=params, tx=tx)
 
 
-def test_the_step_refuses_a_state_whose_policy_disagrees_with_its_optimizer():
+def test_the_policy_is_stored_once_in_the_optimizer_state():
     state = jaxamp.TrainState.create(params=init_params(), tx=mp("mixed_float16"))
-    wrong = state.replace(policy=jaxamp.get_policy("mixed_bfloat16"))
+    assert state.policy is jaxamp.state.find_state(state.opt_state).policy
+    assert "policy" not in {f.name for f in dataclasses.fields(state)}
     with pytest.raises(ValueError, match="differs from the policy p=f32,c=f16"):
-        jax.jit(jaxamp.make_train_step(mse_loss))(wrong, make_batch())
-    # A plain transform is wrapped at float32 by create: the same check.
+        jaxamp.TrainState.create(params=init_params(), tx=mp("mixed_float16"),
+                                 policy="mixed_bfloat16")
+    # A plain transform is wrapped at float32 by create (or at the master-less policy given).
     plain = jaxamp.TrainState.create(params=init_params(), tx=optax.sgd(0.1))
-    with pytest.raises(ValueError, match="differs from the policy p=f32,c=f32"):
-        jax.jit(jaxamp.make_train_step(mse_loss))(
-            plain.replace(policy=jaxamp.get_policy("mixed_bfloat16")), make_batch())
+    assert plain.policy == jaxamp.get_policy("float32")
+    assert jaxamp.TrainState.create(params=init_params(), tx=optax.sgd(0.1),
+                                    policy="bfloat16").policy == jaxamp.get_policy("bfloat16")
+    with pytest.raises(ValueError, match="keeps a master copy in float32 but tx is a plain"):
+        jaxamp.TrainState.create(params=init_params(), tx=optax.sgd(0.1),
+                                 policy="mixed_bfloat16")
 
 
 # --------------------------------------------------------------------------------------------
