@@ -596,16 +596,21 @@ def _positions(jaxpr: Any) -> list[tuple[int, ...]]:
     return [position(v) for v in jaxpr.outvars]
 
 
-def run_traced(fn: Callable, *args: Any,
-               inspect: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+def run_traced(fn: Callable, *args: Any, inspect: Callable[[Any], None] | None = None,
+               interpreter: Interpreter | None = None) -> tuple[Any, Any]:
     """``(fn(*args), order)``: ``fn`` traced once into a jaxpr and run (inside the caller's
     trace, as if called), and :func:`made_order` of its outputs, a tree of ints with the
     outputs' structure. ``inspect``, when given, is called with the closed jaxpr first (a
-    diagnostic that reads the program, with no second trace)."""
+    diagnostic that reads the program, with no second trace). ``interpreter``, when given,
+    evaluates the equations (:func:`evaluate`: eagerly, outside a trace, it sees every value)."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     if inspect is not None:
         inspect(closed)
     tree = jax.tree.structure(shape)
-    outputs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    if interpreter is None:
+        outputs = jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    else:
+        outputs = evaluate(closed.jaxpr, list(closed.consts), jax.tree.leaves(args),
+                           interpreter)
     return (jax.tree.unflatten(tree, outputs),
             jax.tree.unflatten(tree, made_order(closed.jaxpr)))

@@ -19,15 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._jaxpr import Interpreter
-from jaxamp._jaxpr import evaluate
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import where
-from jaxamp._objective import Objective
-from jaxamp._objective import Scaled
 from jaxamp._objective import objective_of
 from jaxamp._train_step import TrainStep
-from jaxamp._train_step import split_micro_batches
+from jaxamp._train_step import device_gradients
+from jaxamp._train_step import make_train_step
 from jaxamp._train_step import step_rng
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
@@ -123,13 +121,15 @@ def _layer(eqn: Any, outer: str) -> str:
     return scope(eqn, outer).removesuffix(" [backward]") or where(eqn)
 
 
-def _objective_and_micro_batches(step: Any) -> tuple[Objective, int]:
-    """The objective a step trains and its micro-batches per step; an :class:`Objective` or a
-    loss function (called as ``loss_fn(params, batch)``) is one micro-batch."""
-    unwrapped = inspect.unwrap(step)  # jax.jit and jax.pmap keep the step as __wrapped__
-    if isinstance(unwrapped, TrainStep):
-        return unwrapped.objective, unwrapped.accum_steps
-    return objective_of(step, {}), 1
+def _train_step_of(step: Any) -> TrainStep:
+    """The :class:`TrainStep` whose program is explained: ``step`` itself (under ``jax.jit``
+    or ``jax.pmap``, which keep it as ``__wrapped__``), or the step of an
+    :class:`Objective` or a loss function (called as ``loss_fn(params, batch)``), one
+    micro-batch; without the fp32-matmul warning (the step warns)."""
+    unwrapped = inspect.unwrap(step)
+    if not isinstance(unwrapped, TrainStep):
+        unwrapped = make_train_step(objective_of(step, {}))
+    return dataclasses.replace(unwrapped, warn_fp32_matmuls=False)
 
 
 def explain_overflow(state: Any, batch: Any, step: Callable) -> OverflowReport:
@@ -163,25 +163,24 @@ def explain_overflow(state: Any, batch: Any, step: Callable) -> OverflowReport:
     >>> report.first_forward.layer, report.first_forward.primitive
     ('layer2', 'exp')
     """
-    objective, k = _objective_and_micro_batches(step)
-    policy, scale, rng = state.policy, state.loss_scale, step_rng(objective, state)
-    batch = objective.batch_under(policy, batch)
-    micro_batches = [batch] if k == 1 else [
-        jax.tree.map(lambda x, i=i: x[i], split_micro_batches(batch, k)) for i in range(k)]
-    model_state = state.model_state
-    losses, grads, found, at = [], None, [], None
-    for i, micro in enumerate(micro_batches):
-        micro_rng = rng if k == 1 or rng is None else jax.random.fold_in(rng, i)
-        events, loss, micro_grads, model_state = _explain_micro_batch(
-            objective.scaled(policy, micro, scale, model_state, micro_rng), state.params)
-        losses.append(loss)
-        grads = micro_grads if grads is None else jax.tree.map(jnp.add, grads, micro_grads)
-        if events and at is None:
-            found, at = events, i
+    step = _train_step_of(step)
+    policy, scale, rng = state.policy, state.loss_scale, step_rng(step.objective, state)
+    # The step's own gradients (its micro-batching, its rngs, its model state threaded), each
+    # micro-batch's program evaluated eagerly by its own watch.
+    watches: list[_FirstNonfinite] = []
+
+    def watch() -> _FirstNonfinite:
+        watches.append(_FirstNonfinite())
+        return watches[-1]
+
+    loss, grads, *_ = device_gradients(step, policy, state.params, scale, state.model_state,
+                                       step.objective.batch_under(policy, batch), rng, watch)
+    at = next((i for i, w in enumerate(watches) if w.events), None)
+    found = [] if at is None else sorted(watches[at].events, key=lambda e: e.phase != "forward")
     bad = [tree_path_str(path) for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]
            if _kind(g) is not None]
-    return OverflowReport(found, bad, float(np.mean(losses)), float(scale),
-                          micro_batch=at if k > 1 else None)
+    return OverflowReport(found, bad, float(loss), float(scale),
+                          micro_batch=at if step.accum_steps > 1 else None)
 
 
 class _FirstNonfinite(Interpreter):
@@ -205,18 +204,3 @@ class _FirstNonfinite(Interpreter):
                                                  jnp.dtype(out.dtype).name, tuple(out.shape),
                                                  kind))
             return
-
-
-def _explain_micro_batch(scaled: Scaled, params: Any):
-    """``(events, loss, grads, new model state)`` of one micro-batch, evaluated eagerly."""
-    closed, shapes = jax.make_jaxpr(jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True),
-                                    return_shape=True)(params, scaled.handed)
-    watch = _FirstNonfinite()
-    outs = evaluate(closed.jaxpr, list(closed.consts), jax.tree.leaves((params, scaled.handed)),
-                    watch)
-    events = watch.events
-    (_, (loss, new_model_state, _)), (grads, _) = jax.tree.unflatten(
-        jax.tree.structure(shapes), outs)
-    events.sort(key=lambda e: e.phase != "forward")  # forward first, each in execution order
-    return events, loss, grads, new_model_state if scaled.objective.has_model_state else (
-        scaled.model_state)

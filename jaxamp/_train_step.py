@@ -45,6 +45,7 @@ from jax.typing import DTypeLike
 from jaxamp import _data_parallel
 from jaxamp import _model_state
 from jaxamp._jaxpr import MATMULS
+from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import run_traced
 from jaxamp._jaxpr import walk_levels
@@ -67,7 +68,8 @@ from jaxamp._tree import select
 from jaxamp._tree import static_field
 from jaxamp.gradients import all_finite
 
-__all__ = ["TrainState", "TrainStep", "make_train_step", "split_micro_batches", "step_rng"]
+__all__ = ["TrainState", "TrainStep", "device_gradients", "make_train_step",
+           "split_micro_batches", "step_rng"]
 
 
 def _checked_policy(policy: Any, mp: MixedPrecisionState | None) -> Policy:
@@ -451,7 +453,8 @@ class _Distribution:
     def gradients(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                   scale, batch, rng):
         """``(loss, reduced gradients of loss * scale, new model state, aux, seen)``."""
-        return _gradients(step, mp.policy, state.params, scale, state.model_state, batch, rng)
+        return device_gradients(step, mp.policy, state.params, scale, state.model_state,
+                                batch, rng)
 
     def update(self, step: TrainStep, state: TrainState, mp: MixedPrecisionState,
                grads, new_model_state, loss):
@@ -557,19 +560,22 @@ def _has_half_params(policy: Policy, params: Any) -> bool:
     return any(d is not None and jnp.dtype(d).itemsize < 4 for d in policy.working_dtypes(params))
 
 
-def _gradients(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
+def device_gradients(step: TrainStep, policy: Policy, params, scale, model_state, batch,
+                     rng, interpreter: Callable[[], Interpreter] | None = None):
     """``(loss, gradients of loss * scale, new model state, aux, seen)`` of one device's batch,
     ``seen`` what each node of the model state saw (an :class:`~jaxamp.fp8.Fp8State`'s
-    amax)."""
+    amax). ``interpreter``: a fresh :class:`~jaxamp._jaxpr.Interpreter` for each micro-batch,
+    which evaluates its program eagerly (the overflow diagnosis), the micro-batches in a
+    python loop; else the step's traced program, the micro-batches under ``lax.scan``."""
     if step.accum_steps == 1:
-        return _micro_batch(step, policy, params, scale, model_state, batch, rng)
-    return _accumulate(step, policy, params, scale, model_state, batch, rng)
+        return _micro_batch(step, policy, params, scale, model_state, batch, rng, interpreter)
+    return _accumulate(step, policy, params, scale, model_state, batch, rng, interpreter)
 
 
 def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
                        state: TrainState, mp: MixedPrecisionState, scale, batch, rng):
-    """:func:`_gradients` of each device's shard of the batch under ``shard_map`` over the data
-    axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
+    """:func:`device_gradients` of each device's shard of the batch under ``shard_map`` over
+    the data axis, averaged in ``reduce_dtype``: ``psum_scatter`` onto the master's shards when the
     optimizer state is sharded, else ``pmean``. ZeRO-3 params are all-gathered inside, in the
     compute dtype, and never differentiated through the gather (whose transpose would
     reduce-scatter in bf16)."""
@@ -585,8 +591,8 @@ def _sharded_gradients(step: TrainStep, dp: _data_parallel.DataParallel,
             model_state = _data_parallel.to_varying(model_state, dp.names)
         if rng is not None:
             rng = jax.random.fold_in(rng, lax.axis_index(dp.names))
-        loss, grads, new_model_state, aux, seen = _gradients(step, mp.policy, params, scale,
-                                                             model_state, batch, rng)
+        loss, grads, new_model_state, aux, seen = device_gradients(
+            step, mp.policy, params, scale, model_state, batch, rng)
         grads = _data_parallel.reduce(dp, grads, grad_specs, step.reduce_dtype)
         seen = [lax.pmax(a, dp.names) for a in seen]
         new_model_state = _data_parallel.sync(dp, new_model_state) if has_model_state else None
@@ -625,7 +631,8 @@ def step_rng(objective: Objective, state: TrainState):
     return jax.random.fold_in(state.rng, state.step)
 
 
-def _micro_batch(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
+def _micro_batch(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng,
+                 interpreter: Callable[[], Interpreter] | None = None):
     """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch (see
     :class:`~jaxamp._objective.Scaled`: the FP8 metadata handed, differentiated, and what it
     saw)."""
@@ -638,7 +645,7 @@ def _micro_batch(step: TrainStep, policy: Policy, params, scale, model_state, ba
     # fp32-matmul warning reads the same jaxpr.
     ((_, (loss, new_model_state, aux)), (grads, cotangents)), made = run_traced(
         jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True), params, scaled.handed,
-        inspect=warn)
+        inspect=warn, interpreter=None if interpreter is None else interpreter())
     grads = in_made_order(grads, made[1][0])
     return loss, grads, new_model_state, aux, scaled.seen(cotangents)
 
@@ -656,17 +663,19 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def _accumulate(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng):
-    """The mean of the micro-batches' gradients, summed in fp32 under ``lax.scan``, all with
-    the same scale; the model state threads through the micro-batches."""
+def _accumulate(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng,
+                interpreter: Callable[[], Interpreter] | None = None):
+    """The mean of the micro-batches' gradients, summed in fp32 under ``lax.scan`` (in a
+    python loop with an ``interpreter``), all with the same scale; the model state threads
+    through the micro-batches."""
     k, has_model_state = step.accum_steps, step.objective.has_model_state
 
     def body(carry, xs):
         acc, seen, model_state = carry
         micro_batch, index = xs
         micro_rng = None if rng is None else jax.random.fold_in(rng, index)
-        loss, grads, new_ms, aux, micro_seen = _micro_batch(step, policy, params, scale,
-                                                            model_state, micro_batch, micro_rng)
+        loss, grads, new_ms, aux, micro_seen = _micro_batch(
+            step, policy, params, scale, model_state, micro_batch, micro_rng, interpreter)
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         seen = [jnp.maximum(a, b) for a, b in zip(seen, micro_seen, strict=True)]  # never a sum
         return (acc, seen, new_ms if has_model_state else model_state), (loss, aux)
@@ -675,11 +684,21 @@ def _accumulate(step: TrainStep, policy: Policy, params, scale, model_state, bat
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=jnp.float32), params)
     nothing_seen = _model_state.nothing_seen(
         _model_state.find(model_state) if has_model_state else [])
-    (acc, seen, new_model_state), (losses, aux) = lax.scan(
+    scan = lax.scan if interpreter is None else _python_scan
+    (acc, seen, new_model_state), (losses, aux) = scan(
         body, (zeros, nothing_seen, model_state), (split_micro_batches(batch, k), jnp.arange(k)))
     inv_k = jnp.float32(1.0 / k)
     return (jnp.mean(losses), jax.tree.map(lambda a: a * inv_k, acc), new_model_state, aux,
             seen)
+
+
+def _python_scan(body: Callable, init: Any, xs: Any) -> tuple[Any, Any]:
+    """``lax.scan(body, init, xs)`` as a python loop, each iteration run eagerly."""
+    carry, ys = init, []
+    for i in range(len(jax.tree.leaves(xs)[0])):
+        carry, y = body(carry, jax.tree.map(lambda x, i=i: x[i], xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def _reduce_across_devices(step: TrainStep, axis: str, loss, grads, new_model_state):

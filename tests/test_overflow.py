@@ -373,6 +373,28 @@ def test_explain_overflow_of_an_accumulating_step_names_the_micro_batch():
     np.testing.assert_allclose(report.loss, float(m["loss"]), rtol=1e-6)
 
 
+def test_explain_overflow_runs_the_steps_own_micro_batches():
+    """The diagnosis takes the step's gradients as the step does (its micro-batch split, each
+    micro-batch's rng, the model state threaded from one to the next), evaluated eagerly: its
+    loss is the step's, to the last bit that an eager evaluation keeps."""
+    def loss_fn(params, batch, model_state, rng):
+        keep = jax.random.bernoulli(rng, 0.5, batch["x"].shape)
+        x = jnp.where(keep, batch["x"], 0) * (1.0 + model_state["count"]).astype(F16)
+        loss = poisoned_loss(params, {**batch, "x": x})
+        return loss, {"count": model_state["count"] + 1}
+
+    state = make_state()
+    state = state.replace(model_state={"count": jnp.zeros((), F32)}, rng=jax.random.key(3))
+    step = jaxamp.make_train_step(loss_fn, has_model_state=True, has_rng=True, accum_steps=4)
+    new, m = jax.jit(step)(state, make_batch())
+    report = jaxamp.explain_overflow(state, make_batch(), step)
+    assert report.events == [] and int(new.model_state["count"]) == 4
+    np.testing.assert_allclose(report.loss, float(m["loss"]), rtol=1e-6)
+    # Another key or no threading of the model state gives another loss.
+    other = jaxamp.explain_overflow(state.replace(rng=jax.random.key(4)), make_batch(), step)
+    assert abs(other.loss - report.loss) > 1e-3 * abs(report.loss)
+
+
 def test_forward_overflow_inside_remat_is_located():
     def loss_fn(params, batch):
         with jax.named_scope("layer0"):
