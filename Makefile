@@ -108,7 +108,7 @@ test-newest: $(STAMP_NEWEST)
 	XLA_FLAGS="$(XLA_FLAGS) $(TEST_XLA_FLAGS)" \
 		$(VENV_NEWEST)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		--durations=10 -p no:cacheprovider $(TEST_SELECT) jaxamp $(UNIT_TESTS) \
-		--ignore=jaxamp/memory.py
+		--ignore=jaxamp/_diagnoses/_memory.py
 
 # XLA:GPU's compiler on this machine, no GPU: jax's CUDA 13 plugin (it installs on Linux without a
 # GPU or a driver) at the versions of the H200 run (Python 3.12, jax 0.11.2, flax 0.12.10), in
@@ -117,7 +117,7 @@ test-newest: $(STAMP_NEWEST)
 # lanes have no XLA:GPU, and leave these files out).
 VENV_GPU := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-GPU_MEMORY_TESTS := jaxamp/memory.py tests/gpu_memory
+GPU_MEMORY_TESTS := jaxamp/_diagnoses/_memory.py tests/gpu_memory
 GPU_MEMORY_OUT ?= runs/gpu-memory
 
 # A Python 3.12 venv ($(1)) with the GPU machine's jax (0.11.2, and its CUDA 13 plugin for

@@ -184,7 +184,7 @@ def _plot_errors(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jaxamp._fp8_errors import GEMMS
+    from jaxamp._fp8._errors import GEMMS
     fig, axes = plt.subplots(1, len(GEMMS), figsize=(14, 4.2), sharey=True)
     for ax, gemm in zip(axes, GEMMS, strict=True):
         for site in dict.fromkeys(r["matmul"] for r in rows):

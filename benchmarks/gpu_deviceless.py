@@ -33,6 +33,7 @@ import jax
 from benchmarks import gpu
 from benchmarks import harness
 from jaxamp import memory
+from jaxamp._diagnoses import _memory
 
 H200_RUN = os.path.join(os.path.dirname(__file__), "results", "gpu-h200-2026-12-04")
 GB = 1e9
@@ -63,7 +64,7 @@ def _placed(built: gpu.Built, prec: gpu.Precision, target: str,
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def abstract(tree):
-        return jax.tree.map(lambda x: memory._abstract(x, one), tree)
+        return jax.tree.map(lambda x: _memory._abstract(x, one), tree)
     return dataclasses.replace(built, state=abstract(built.state),
                                batch=abstract(built.batch)), {}, 1
 
@@ -80,7 +81,7 @@ def compile_row(model: str, precision: str, ctx: gpu.Context, target: str) -> di
         t0 = time.perf_counter()
         lowered = jax.jit(built.step, donate_argnums=0, **jit_kwargs).lower(built.state,
                                                                              built.batch)
-        report, compiled = memory.compile_report(lowered, ctx.device_kind, devices,
+        report, compiled = _memory.compile_report(lowered, ctx.device_kind, devices,
                                                       (built.state, built.batch))
         compile_s = time.perf_counter() - t0
     return {"devices": devices, "compile_s": compile_s, "matmul_precision": effective,
@@ -105,7 +106,7 @@ def _gemm_counts(gemms: dict[str, int]) -> dict[str, int]:
 
 def run(args) -> list[dict]:
     target = args.deviceless
-    name, _ = memory._target_text(target)
+    name, _ = _memory._target_text(target)
     os.makedirs(args.out, exist_ok=True)
     rows_path = os.path.join(args.out, f"gpu_deviceless_{target}.jsonl")
     if args.render_only:

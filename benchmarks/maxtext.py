@@ -80,6 +80,7 @@ import optax
 
 import jaxamp
 from benchmarks import harness
+from jaxamp._diagnoses import _memory
 
 ROUNDS = 3  # compile-time rounds
 POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded")
@@ -413,12 +414,12 @@ _HOST_COLOR = "5"  # XLA:GPU's memory space of pinned host memory (offloaded res
 def temp_arenas(buffer_assignment: str) -> dict[str, dict[str, Any]]:
     """The temporary buffers of XLA's buffer assignment, ``"device"`` and ``"host"`` (pinned
     host memory, where an offloading remat policy puts what it saves), each with its bytes and
-    its split by dtype and by shape (``jaxamp.memory.temp_buffer_split`` of that arena).
+    its split by dtype and by shape (``jaxamp._diagnoses._memory.temp_buffer_split`` of that arena).
     ``gpu_memory``'s own split reads the first arena of the file, the host's when there is one."""
     arenas: dict[str, dict[str, Any]] = {}
     for found in _ARENA.finditer(buffer_assignment):
         where = "host" if found.group(2) == _HOST_COLOR else "device"
-        by_dtype, by_shape = jaxamp.memory.temp_buffer_split(buffer_assignment[found.start():])
+        by_dtype, by_shape = _memory.temp_buffer_split(buffer_assignment[found.start():])
         arenas[where] = {"bytes": int(found.group(1)), "by_dtype": by_dtype,
                          "by_shape": by_shape}
     return arenas
@@ -432,7 +433,7 @@ def compile_for_gpu(step: Callable, state: Any, batch: Any, mesh) -> tuple[Any, 
                         (state, batch))
     lowered = jax.jit(step, donate_argnums=0).lower(*args)
     with tempfile.TemporaryDirectory(prefix="jaxamp-maxtext-") as dump:
-        report, _ = jaxamp.memory.compile_report(
+        report, _ = _memory.compile_report(
             lowered, mesh.devices.flat[0].device_kind, 1, args, {"xla_dump_to": dump})
         assigned = sorted(glob.glob(os.path.join(
             dump, "*gpu_after_optimizations-buffer-assignment.txt")), key=os.path.getmtime)

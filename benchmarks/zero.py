@@ -46,6 +46,7 @@ import jaxamp
 from benchmarks import harness
 from benchmarks import overhead
 from jaxamp._jaxpr import walk
+from jaxamp._step import _parallel
 
 ROUNDS = 20
 N_DEVICES = 8
@@ -76,7 +77,7 @@ def _abstract_state(model: str, overrides: dict) -> tuple[Any, int]:
 
 def _min_size(tiny: bool) -> int:
     """``state_sharding``'s threshold: its default, or small enough to split the tiny models."""
-    return 64 if tiny else jaxamp.parallel.MIN_SHARD_SIZE
+    return 64 if tiny else _parallel.MIN_SHARD_SIZE
 
 
 def state_rows(tiny: bool) -> list[dict]:

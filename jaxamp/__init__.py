@@ -3,21 +3,26 @@
 A precision policy casts params and activations to bf16 or fp16, FP32 master weights live in
 the optax optimizer state, and a jit-compiled dynamic loss scale runs inside the train step.
 
-The core is re-exported here, one private module per concept:
+The core is re-exported here. The private code is grouped by concern, each folder over the
+ones below it:
 
-* ``_policy``: :class:`Policy` (its presets, ``Policy.PRESETS``, and what ``"auto"`` means on
-  a device, ``Policy.resolve_auto``) and :func:`get_policy`;
-* ``_loss_scale``: the three loss scales;
-* ``_master_weights``: :func:`mixed_precision`, the optax transform that holds the fp32 master;
-  ``_storage``: where the master lives (``master=``); ``_moments``: how the inner optimizer's
-  moments are stored (``moments_dtype=``, :func:`quantized_moments`);
-* ``_train_step``: :class:`TrainState` and :func:`make_train_step`;
-* ``_autocast``: :func:`autocast`, per-op dtype rules for any unmodified model;
-* ``_audit`` and ``_overflow``: the precision audit and the overflow diagnosis;
-* ``_objective``: :class:`Objective`, the loss and how it is called, which the step and its
-  diagnosis share.
+* ``_precision``: :class:`Policy` (its presets, ``Policy.PRESETS``, and what ``"auto"`` means
+  on a device, ``Policy.resolve_auto``), :func:`get_policy` and the three loss scales;
+* ``_fp8``: the FP8 formats, quantizers and recipes that a policy may name;
+* ``_optimizer``: :func:`mixed_precision`, the optax transform that holds the fp32 master, and
+  its state and readers; where the master lives (``master=``), how the inner optimizer's
+  moments are stored (``moments_dtype=``, :func:`quantized_moments`), the rounding they use
+  and the one pass over the gradients;
+* ``_autocast``: :func:`autocast`, per-op dtype rules for any unmodified model, attention found
+  by its structure and the fp32 ops that save half-precision tensors;
+* ``_step``: :class:`Objective` (the loss and how it is called, which the step and its
+  diagnosis share), :class:`TrainState` and :func:`make_train_step`, the step's distribution
+  over devices and Equinox's entry points;
+* ``_diagnoses``: the precision audit, the overflow diagnosis and the GPU memory of a step;
+* under them all, ``_tree``, ``_jaxpr``, ``_loss``, ``_model_state`` and ``_versions``: pytree
+  helpers, the walk of a jaxpr, the loss's checks, the model state's nodes, the jax versions.
 
-The rest lives in public subpackages:
+The rest lives in public modules, each a face over that private code:
 
 * ``jaxamp.state``: the state of :func:`mixed_precision` and its readers, for a train step
   written by hand (``MixedPrecisionState``, ``find_state``, ``scale_loss``,
@@ -52,22 +57,22 @@ from jaxamp import parallel
 from jaxamp import reports
 from jaxamp import rounding
 from jaxamp import state
-from jaxamp._audit import audit
-from jaxamp._audit import audit_grad
 from jaxamp._autocast import autocast
 from jaxamp._autocast import full_precision
-from jaxamp._loss_scale import DynamicLossScale
-from jaxamp._loss_scale import LossScale
-from jaxamp._loss_scale import NoOpLossScale
-from jaxamp._loss_scale import StaticLossScale
-from jaxamp._master_weights import mixed_precision
-from jaxamp._moments import quantized_moments
-from jaxamp._objective import Objective
-from jaxamp._overflow import explain_overflow
-from jaxamp._policy import Policy
-from jaxamp._policy import get_policy
-from jaxamp._train_step import TrainState
-from jaxamp._train_step import make_train_step
+from jaxamp._diagnoses._audit import audit
+from jaxamp._diagnoses._audit import audit_grad
+from jaxamp._diagnoses._overflow import explain_overflow
+from jaxamp._optimizer._master_weights import mixed_precision
+from jaxamp._optimizer._moments import quantized_moments
+from jaxamp._precision._loss_scale import DynamicLossScale
+from jaxamp._precision._loss_scale import LossScale
+from jaxamp._precision._loss_scale import NoOpLossScale
+from jaxamp._precision._loss_scale import StaticLossScale
+from jaxamp._precision._policy import Policy
+from jaxamp._precision._policy import get_policy
+from jaxamp._step._objective import Objective
+from jaxamp._step._train_step import TrainState
+from jaxamp._step._train_step import make_train_step
 
 if TYPE_CHECKING:  # loaded by __getattr__ on first use (it imports equinox)
     from jaxamp import equinox as equinox

@@ -34,8 +34,8 @@ except ImportError as e:
     raise ImportError("jaxamp.equinox needs Equinox, which is not installed: pip install "
                       "equinox") from e
 
-from jaxamp._equinox import filter_value_and_grad
-from jaxamp._equinox import init
-from jaxamp._equinox import make_step
+from jaxamp._step._equinox import filter_value_and_grad
+from jaxamp._step._equinox import init
+from jaxamp._step._equinox import make_step
 
 __all__ = ["filter_value_and_grad", "init", "make_step"]

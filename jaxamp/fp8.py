@@ -50,16 +50,16 @@ from jaxamp._fp8 import DelayedScaling
 from jaxamp._fp8 import Fp8State
 from jaxamp._fp8 import delayed_dot_general
 from jaxamp._fp8 import fp8_dot_general
-from jaxamp._fp8_errors import Fp8ErrorReport
-from jaxamp._fp8_errors import probing
-from jaxamp._policy import get_policy
+from jaxamp._fp8._errors import Fp8ErrorReport
+from jaxamp._fp8._errors import probing
+from jaxamp._precision._policy import get_policy
 
 if TYPE_CHECKING:  # loaded lazily by __getattr__ (they import flax.nnx)
-    from jaxamp._fp8_nnx import DotGeneral
-    from jaxamp._fp8_nnx import Einsum
-    from jaxamp._fp8_nnx import EinsumOp
-    from jaxamp._fp8_nnx import Fp8Meta
-    from jaxamp._fp8_nnx import Linear
+    from jaxamp._fp8._nnx import DotGeneral
+    from jaxamp._fp8._nnx import Einsum
+    from jaxamp._fp8._nnx import EinsumOp
+    from jaxamp._fp8._nnx import Fp8Meta
+    from jaxamp._fp8._nnx import Linear
 
 __all__ = ["CurrentScaling", "DelayedScaling", "DotGeneral", "Einsum", "EinsumOp",
            "Fp8ErrorReport", "Fp8Meta", "Fp8State", "Linear", "delayed_dot_general",
@@ -107,7 +107,7 @@ _NNX_LAYERS = ("DotGeneral", "Einsum", "EinsumOp", "Fp8Meta", "Linear")
 
 def __getattr__(name: str) -> Any:
     if name in _NNX_LAYERS:
-        from jaxamp import _fp8_nnx
+        from jaxamp._fp8 import _nnx as _fp8_nnx
         return getattr(_fp8_nnx, name)
     raise AttributeError(f"module 'jaxamp.fp8' has no attribute {name!r}")
 

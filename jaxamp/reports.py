@@ -10,8 +10,8 @@ an :class:`OverflowEvent`. A report is read through its attributes, never built 
 (True, 1.0)
 """
 
-from jaxamp._audit import AuditReport
-from jaxamp._overflow import OverflowEvent
-from jaxamp._overflow import OverflowReport
+from jaxamp._diagnoses._audit import AuditReport
+from jaxamp._diagnoses._overflow import OverflowEvent
+from jaxamp._diagnoses._overflow import OverflowReport
 
 __all__ = ["AuditReport", "OverflowEvent", "OverflowReport"]

@@ -8,15 +8,15 @@ makes around ``tx.update`` (:func:`jaxamp.make_train_step` makes them itself);
 where the master can live (``mixed_precision(..., master=...)``).
 """
 
-from jaxamp._master_weights import MixedPrecisionState
-from jaxamp._master_weights import find_state
-from jaxamp._master_weights import get_loss_scale
-from jaxamp._master_weights import get_master_params
-from jaxamp._master_weights import next_working_params
-from jaxamp._master_weights import policy_of
-from jaxamp._master_weights import scale_loss
-from jaxamp._master_weights import working_params
-from jaxamp._storage import MASTERS
+from jaxamp._optimizer._state import MixedPrecisionState
+from jaxamp._optimizer._state import find_state
+from jaxamp._optimizer._state import get_loss_scale
+from jaxamp._optimizer._state import get_master_params
+from jaxamp._optimizer._state import next_working_params
+from jaxamp._optimizer._state import policy_of
+from jaxamp._optimizer._state import scale_loss
+from jaxamp._optimizer._state import working_params
+from jaxamp._optimizer._storage import MASTERS
 
 __all__ = ["MASTERS", "MixedPrecisionState", "find_state", "get_loss_scale", "get_master_params",
            "next_working_params", "policy_of", "scale_loss", "working_params"]

@@ -1,7 +1,7 @@
-"""Attention found by its structure (``jaxamp._attention_structure``): each spelling users write
-is found, arranged for ``jax.nn.dot_product_attention`` (what cuDNN runs fused on a GPU) with
-the same values and gradients as the equations it replaces, and look-alikes are left alone.
-The fused kernel itself is compiled for an H200 in tests/gpu_memory."""
+"""Attention found by its structure (``jaxamp._autocast._attention_structure``): each spelling users
+write is found, arranged for ``jax.nn.dot_product_attention`` (what cuDNN runs fused on a GPU) with
+the same values and gradients as the equations it replaces, and look-alikes are left alone. The
+fused kernel itself is compiled for an H200 in tests/gpu_memory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp import _attention
-from jaxamp import _attention_structure
+from jaxamp._autocast import _attention
+from jaxamp._autocast import _attention_structure
 from jaxamp._jaxpr import Level
 
 B, T, N, H = 2, 8, 4, 16

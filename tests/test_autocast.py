@@ -1397,7 +1397,7 @@ def test_attention_calls_are_found_where_jax_traced_them():
     window or the residual: those run as they are."""
     from jax.nn import dot_product_attention as imported
 
-    from jaxamp import _attention
+    from jaxamp._autocast import _attention
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
     mask, bias = jnp.tril(jnp.ones((8, 8), bool))[None, None], jnp.zeros((1, 4, 8, 8))
     lengths = jnp.array([3, 8], jnp.int32)
@@ -1433,7 +1433,7 @@ def test_attention_calls_given_one_array_for_several_inputs_are_found():
     """One array given as the key and the value (``k is v``), or as all three inputs
     (self-attention's ``q is k is v``), is read where the first of them is: the call is found
     all the same, with the array at each of its places, as are distinct arrays."""
-    from jaxamp import _attention
+    from jaxamp._autocast import _attention
     x, y, z = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
     bias = jnp.zeros((1, 4, 8, 8))
 
@@ -1467,7 +1467,7 @@ def test_the_limitations_page_says_which_attention_calls_are_found():
     autocast traces it (its jaxpr cached, the call found in the nested jaxpr), are found."""
     from jax.nn import dot_product_attention
 
-    from jaxamp import _attention
+    from jaxamp._autocast import _attention
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, 4, 16)) for i in range(3))
     by_name = jax.make_jaxpr(lambda q, k, v: dot_product_attention(q, k, v))(q, k, v)
     assert len(_attention.find_calls(by_name.jaxpr)) == 1

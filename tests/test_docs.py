@@ -175,7 +175,7 @@ def _break(root: pathlib.Path, breakage: str) -> None:
     elif breakage == "notebook":
         (root / "notebooks" / "01_quickstart.ipynb").write_text('{"cells": [')
     elif breakage == "docstring":
-        module = root / "jaxamp" / "rounding.py"
+        module = root / "jaxamp" / "_optimizer" / "_rounding.py"
         module.write_text(module.read_text().replace(
             '"""The fp32 value that :func:`kahan_split` split into ``high`` and ``low``."""',
             "pass"))

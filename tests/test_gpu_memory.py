@@ -5,7 +5,7 @@ tests/gpu_memory/ (``make test-gpu-memory``, in an environment with the plugin).
 import pytest
 
 import jaxamp
-from jaxamp import memory
+from jaxamp._diagnoses import _memory
 
 # The shape of XLA's ``*buffer-assignment.txt``: a parameter, the temporary buffer shared by
 # four values (two of them at offset 0, at different times), and a thread-local scalar.
@@ -23,7 +23,7 @@ allocation 4: size 4, thread-local:
 
 
 def test_temp_buffer_split_counts_each_byte_once_for_its_largest_value():
-    by_dtype, rows = memory.temp_buffer_split(ASSIGNMENT)
+    by_dtype, rows = _memory.temp_buffer_split(ASSIGNMENT)
     # [0, 2048): fusion.1 (fp32, the larger of the two values there); [2048, 3072): fusion.3;
     # [3072, 3584): fusion.4; [3584, 4096): no value.
     assert rows == [("f32[16,32]", 1, 2048), ("bf16[16,32]", 2, 1024), ("f32[128]", 1, 512)]
@@ -31,18 +31,18 @@ def test_temp_buffer_split_counts_each_byte_once_for_its_largest_value():
 
 
 def test_temp_buffer_split_without_a_temporary_buffer():
-    assert memory.temp_buffer_split(ASSIGNMENT.split("allocation 3")[0]) == ({}, [])
+    assert _memory.temp_buffer_split(ASSIGNMENT.split("allocation 3")[0]) == ({}, [])
 
 
 def test_targets():
     assert jaxamp.memory.GPU_TARGETS == ("h100", "h200")
     for name, size in (("h100", "85520809984"), ("h200", "151397597184")):
-        label, text = memory._target_text(name)
+        label, text = _memory._target_text(name)
         assert label.startswith(f"NVIDIA {name.upper()}")
         assert f"device_memory_size: {size}" in text and "core_count: 132" in text
-    assert memory._target_text("NVIDIA H100")[0] == "NVIDIA H100 80GB HBM3"
+    assert _memory._target_text("NVIDIA H100")[0] == "NVIDIA H100 80GB HBM3"
     custom = 'gpu_device_info { core_count: 8 }\ndevice_description_str: "My GPU"\n'
-    assert memory._target_text(custom) == ("My GPU", custom)
+    assert _memory._target_text(custom) == ("My GPU", custom)
 
 
 def test_unknown_target():
@@ -66,5 +66,5 @@ def test_live_peak_reads_the_live_range_dump(tmp_path):
     dump = tmp_path / "m.live-range.txt"
     dump.write_text("HloLiveRange (max 3)\n  Stack trace breakdown for peak usage: 10 949 000 416 "
                     "bytes\n")
-    assert memory._live_peak(str(dump)) == 10_949_000_416
-    assert memory._live_peak(str(tmp_path / "missing.txt")) is None
+    assert _memory._live_peak(str(dump)) == 10_949_000_416
+    assert _memory._live_peak(str(tmp_path / "missing.txt")) is None

@@ -18,8 +18,8 @@ import pytest
 from jax import lax
 
 import jaxamp
-from jaxamp import _audit as auditing
 from jaxamp import _jaxpr
+from jaxamp._diagnoses import _audit as auditing
 
 # The range the private APIs were checked in: jax 0.10.2, 0.11.2 and 0.12.0.1, each with this
 # module's tests. A JAX outside it is not an error for users (the audit falls back to the
@@ -119,11 +119,11 @@ def test_a_custom_jvps_rule_is_read_from_its_params():
 
 
 def test_an_equations_traceback_names_jaxs_attention_function():
-    """The attention finder's private read (``jaxamp/_attention.py``): an equation's
+    """The attention finder's private read (``jaxamp/_autocast/_attention.py``): an equation's
     ``source_info.traceback.raw_frames()`` holds the code of ``jax.nn.dot_product_attention``,
     defined in ``jax/_src/nn/functions.py``, for the equations it traced; and an equation
     without a traceback is none of its calls."""
-    from jaxamp import _attention
+    from jaxamp._autocast import _attention
     q = jnp.ones((1, 4, 1, 8))
     jaxpr = jax.make_jaxpr(lambda q: jax.nn.dot_product_attention(q, q, q) + 1)(q).jaxpr
     sites = [_attention.site(e) for e in jaxpr.eqns]
@@ -147,7 +147,7 @@ def test_where_names_the_user_line_and_survives_missing_source_info():
 def test_the_fp32_matmul_warning_never_breaks_a_step(monkeypatch):
     """The diagnostic reads the jaxpr the step traces (the loss is traced once); a failure of
     the diagnostic itself (a JAX whose jaxpr it cannot read) still trains, silently."""
-    from jaxamp import _train_step
+    from jaxamp._step import _train_step
 
     def unreadable(jaxpr):
         raise AttributeError("a jaxpr this JAX writes differently")
@@ -176,7 +176,7 @@ def test_the_public_jaxpr_types_exist(name):
                                   "lax.all_gather", "sharding.auto_axes", "sharding.reshard",
                                   "sharding.get_abstract_mesh", "sharding.AxisType"])
 def test_the_public_apis_of_the_data_parallel_step_exist(name):
-    """The data-parallel step under jit (jaxamp/_data_parallel.py) uses only these."""
+    """The data-parallel step under jit (jaxamp/_step/_data_parallel.py) uses only these."""
     obj = jax
     for part in name.split("."):
         obj = getattr(obj, part)

@@ -892,7 +892,7 @@ def test_gradient_layout_pin_keeps_tensor_parallel_sharding():
 def test_a_pure_half_policy_warns_once_that_it_keeps_no_fp32_master(spec, mixed, monkeypatch):
     """A PyTorch user who types "fp16" means AMP: the only hint was Adam's second-moment
     warning, printed twice."""
-    from jaxamp import _master_weights
+    from jaxamp._optimizer import _master_weights
     monkeypatch.setattr(_master_weights, "_WARNED_PURE_HALF", set())
     with pytest.warns(UserWarning, match=rf"keeps the params in \w+ with no fp32 master.*"
                                          rf"as PyTorch's AMP, is '{mixed}'"):

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import jaxamp
 from jaxamp import Policy
 from jaxamp import get_policy
-from jaxamp._master_weights import Health
-from jaxamp._master_weights import Master
+from jaxamp._optimizer._state import Health
+from jaxamp._optimizer._state import Master
 from jaxamp.gradients import tree_path_str
 
 # The library's own arithmetic must be promotion-clean (see tests/conftest.py).

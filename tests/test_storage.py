@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp._storage import nudge_ties
+from jaxamp._optimizer._storage import nudge_ties
 from jaxamp.rounding import kahan_join
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -430,7 +430,7 @@ def test_a_state_built_by_another_option_is_a_clear_error():
 def test_the_update_reads_the_storage_the_state_carries(monkeypatch):
     """``tx.init`` fixes the storage (the ``master=`` option per param, the moments'); an
     update of that state reads it from the state and builds none."""
-    from jaxamp._storage import Storage
+    from jaxamp._optimizer._storage import Storage
     params = init_params()
     tx = jaxamp.mixed_precision(optax.adam(1e-3), "mixed_bfloat16", master="kahan",
                                 moments_dtype="bfloat16")
@@ -454,7 +454,7 @@ def test_the_steps_new_params_are_what_optax_updates_give(master, policy):
     applied and on a skipped step. (A param that is its own fp32 master, under ``float32``,
     gets the inner optimizer's ``p + u`` in the step, as a plain optax step does; ``update``
     hands out ``(p + u) - p``, which ``p`` plus it gives back to within an ulp.)"""
-    from jaxamp._master_weights import apply_updates
+    from jaxamp._optimizer._master_weights import apply_updates
     tx = jaxamp.mixed_precision(optax.adam(1e-2), policy, master=master)
     state = jaxamp.TrainState.create(params=init_params(), tx=tx)
 

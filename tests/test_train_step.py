@@ -938,7 +938,7 @@ def test_the_step_hands_on_its_gradients_in_the_order_they_are_made(policy):
 def test_the_gradient_order_changes_no_value(policy, monkeypatch):
     """Three steps with the gradients handed on in order equal, bit for bit, the same steps
     with them handed on as they come (the barriers are identities)."""
-    from jaxamp import _train_step
+    from jaxamp._step import _train_step
     tx = jaxamp.mixed_precision(optax.adam(1e-2), policy)
 
     def run():

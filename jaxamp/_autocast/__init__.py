@@ -83,12 +83,12 @@ every step's recomputed values. The arguments and their casts are never saved un
 Attention: a call of ``jax.nn.dot_product_attention`` that leaves ``implementation`` unset
 (flax NNX's ``dot_product_attention`` and ``MultiHeadAttention`` make one), and any other
 ``softmax(q·kᵀ·scale [+ bias] [masked]) · v`` found by its structure
-(:mod:`jaxamp._attention_structure`: Linen's, MaxText's, a hand-written one) runs, under a half
-compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
+(:mod:`jaxamp._autocast._attention_structure`: Linen's, MaxText's, a hand-written one) runs, under a
+half compute dtype, as cuDNN's fused flash attention where the step is compiled for an NVIDIA GPU
 (``lax.platform_dependent``: the choice follows the platform the program is lowered for, a
 deviceless compile for a GPU included), and as the XLA implementation under the rules above
 elsewhere. Autocast traces ``fn`` in fp32, where JAX traces the XLA implementation inline; it
-finds the call's equations in the jaxpr (:mod:`jaxamp._attention`: where they were traced,
+finds the call's equations in the jaxpr (:mod:`jaxamp._autocast._attention`: where they were traced,
 confirmed by tracing JAX's function again) and makes the choice itself. Nothing of JAX's is
 changed, so a function imported by name and a trace in another thread are the same. cuDNN's
 kernel keeps the output and fp32 row statistics for the backward pass, not the probabilities.
@@ -137,7 +137,7 @@ from jaxamp._fp8 import CurrentScaling
 from jaxamp._jaxpr import Literal
 from jaxamp._jaxpr import sub_jaxprs as _sub_jaxprs
 from jaxamp._jaxpr import walk
-from jaxamp._policy import get_policy
+from jaxamp._precision._policy import get_policy
 from jaxamp._tree import tree_path_str
 
 __all__ = ["DEFAULT_RULES", "autocast", "full_precision"]

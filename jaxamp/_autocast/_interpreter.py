@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend import source_info_util
 
-from jaxamp._attention import find_calls as attention_calls
+from jaxamp._autocast._attention import find_calls as attention_calls
 from jaxamp._autocast._casts import _cast
 from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._context import _Context

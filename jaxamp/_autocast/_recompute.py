@@ -14,7 +14,7 @@ from jax.ad_checkpoint import Offloadable
 from jax.ad_checkpoint import Saveable
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxamp import ops
+from jaxamp._autocast import _ops
 from jaxamp._autocast._rules import _pure_elementwise_like
 from jaxamp._fp8 import OUTPUT_NAME
 from jaxamp._fp8 import RESIDUAL_NAME
@@ -73,7 +73,7 @@ def _saveable(prim: Any, *avals: Any, **params: Any) -> bool:
     del avals
     if prim.name == "name":
         return params.get("name") in (_KEPT, _OPERAND, RESIDUAL_NAME, OUTPUT_NAME,
-                                      ops.SAVED_NAME)
+                                      _ops.SAVED_NAME)
     return prim.name in _SAVED and prim.name not in MATMULS or prim.name in _DEBUG_CALLBACKS
 
 

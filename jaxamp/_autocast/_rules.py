@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp import _fp8_errors
 from jaxamp._autocast._casts import _ELEMENTWISE
 from jaxamp._autocast._casts import _HALF
 from jaxamp._autocast._casts import _broadcast
@@ -22,6 +21,7 @@ from jaxamp._autocast._casts import _cast_constant
 from jaxamp._autocast._casts import _downcast_source
 from jaxamp._autocast._casts import _is_half_broadcast
 from jaxamp._autocast._context import _FULL_PRECISION
+from jaxamp._fp8 import _errors as _fp8_errors
 from jaxamp._fp8 import fp8_dot_general
 from jaxamp._jaxpr import HIGHER_ORDER
 from jaxamp._jaxpr import MATMULS

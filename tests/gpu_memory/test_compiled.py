@@ -20,6 +20,7 @@ import jaxamp
 from benchmarks import gpu
 from benchmarks import gpu_deviceless
 from benchmarks.__main__ import main
+from jaxamp._diagnoses import _memory
 
 GB = 1e9
 
@@ -90,7 +91,7 @@ def test_h100_and_a_target_of_ones_own():
     h100 = jaxamp.memory.gpu_memory(lambda x: (x @ x).sum(), x, target="h100")
     assert h100.target == "NVIDIA H100 80GB HBM3"
     own = jaxamp.memory.gpu_memory(lambda x: (x @ x).sum(), x,
-                            target=jaxamp.memory._target_text("h100")[1].replace(
+                            target=_memory._target_text("h100")[1].replace(
                                 "NVIDIA H100 80GB HBM3", "my GPU"))
     assert own.target == "my GPU" and own.argument_bytes == h100.argument_bytes
 

@@ -1,10 +1,10 @@
 """Attention found by its structure: ``softmax(q·kᵀ·scale [+ bias] [masked]) · v`` in a jaxpr,
 however it is spelled (private).
 
-:mod:`jaxamp._attention` finds the calls of ``jax.nn.dot_product_attention`` where JAX traced
-them. Most attention is not such a call: flax Linen's ``dot_product_attention``, MaxText's
-``dot_product`` attention, a hand-written ``softmax(q @ k.T * scale + mask) @ v``, each an
-einsum or a ``dot_general`` of the scores, a scale, a bias or a mask, a softmax and a
+:mod:`jaxamp._autocast._attention` finds the calls of ``jax.nn.dot_product_attention`` where JAX
+traced them. Most attention is not such a call: flax Linen's ``dot_product_attention``, MaxText's
+``dot_product`` attention, a hand-written ``softmax(q @ k.T * scale + mask) @ v``, each an einsum or
+a ``dot_general`` of the scores, a scale, a bias or a mask, a softmax and a
 ``dot_general`` of the probabilities. This module finds that chain by what its equations
 compute:
 

@@ -31,10 +31,10 @@ import optax
 from jax import lax
 from jax.typing import DTypeLike
 
+from jaxamp._optimizer._rounding import kahan_join
+from jaxamp._optimizer._rounding import kahan_split
+from jaxamp._optimizer._rounding import stochastic_round
 from jaxamp._tree import HALF_DTYPES
-from jaxamp.rounding import kahan_join
-from jaxamp.rounding import kahan_split
-from jaxamp.rounding import stochastic_round
 
 __all__ = [
     "ABSENT",
@@ -279,8 +279,8 @@ class Storage:
     kinds: tuple[_Own, ...]
     work_dtypes: tuple[Any, ...]
     moments: Any = None
-    """The :class:`jaxamp._moments.Moments` of ``moments_dtype=``, or ``None`` (as ``inner``
-    builds them)."""
+    """The :class:`jaxamp._optimizer._moments.Moments` of ``moments_dtype=``, or ``None`` (as
+    ``inner`` builds them)."""
 
     @classmethod
     def build(cls, policy: Any, params: Any, option: str, moments: Any = None) -> Storage:

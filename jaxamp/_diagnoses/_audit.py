@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxamp import _attention
-from jaxamp import _attention_structure
+from jaxamp._autocast import _attention
+from jaxamp._autocast import _attention_structure
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
@@ -535,7 +535,7 @@ def _report(title: str, jaxpr: Any, saved: dict[str, int]) -> AuditReport:
 def _attention_not_fused(fn: Callable, args: tuple) -> list[str]:
     """``"where: why"`` of each matmul of ``fn`` as written (under no autocast: the one it
     wraps, a step's loss) that reads a softmax's output but is no attention autocast fuses
-    (:func:`jaxamp._attention_structure.why_not`)."""
+    (:func:`jaxamp._autocast._attention_structure.why_not`)."""
     try:
         jaxpr = jax.make_jaxpr(fn)(*args)
     except Exception:  # noqa: BLE001 - a function that traces only as wrapped: nothing to say

@@ -21,7 +21,7 @@ from jaxamp import _model_state
 from jaxamp._autocast import autocast as _autocast
 from jaxamp._loss import check_loss
 from jaxamp._loss import split_outputs
-from jaxamp._policy import Policy
+from jaxamp._precision._policy import Policy
 
 __all__ = ["Objective", "Scaled", "objective_of"]
 

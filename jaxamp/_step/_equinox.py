@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._loss import described
-from jaxamp._master_weights import MixedPrecisionState
-from jaxamp._master_weights import maybe_find_state
-from jaxamp._master_weights import policy_of
-from jaxamp._objective import Objective
-from jaxamp._policy import Policy
-from jaxamp._train_step import TrainState
-from jaxamp._train_step import make_train_step
+from jaxamp._optimizer._state import MixedPrecisionState
+from jaxamp._optimizer._state import maybe_find_state
+from jaxamp._optimizer._state import policy_of
+from jaxamp._precision._policy import Policy
+from jaxamp._step._objective import Objective
+from jaxamp._step._train_step import TrainState
+from jaxamp._step._train_step import make_train_step
 from jaxamp._tree import tree_path_str
 
 __all__ = ["filter_value_and_grad", "init", "make_step"]

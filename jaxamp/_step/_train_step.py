@@ -42,7 +42,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 
-from jaxamp import _data_parallel
 from jaxamp import _model_state
 from jaxamp._jaxpr import MATMULS
 from jaxamp._jaxpr import Interpreter
@@ -50,23 +49,24 @@ from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import run_traced
 from jaxamp._jaxpr import walk_levels
 from jaxamp._jaxpr import where
-from jaxamp._master_weights import MixedPrecisionState
-from jaxamp._master_weights import apply_updates
-from jaxamp._master_weights import get_master_params
-from jaxamp._master_weights import maybe_find_state
-from jaxamp._master_weights import storage_of
-from jaxamp._master_weights import wrap_plain
-from jaxamp._objective import Objective
-from jaxamp._objective import objective_of
-from jaxamp._policy import Policy
-from jaxamp._policy import get_policy
+from jaxamp._optimizer._gradients import all_finite
+from jaxamp._optimizer._master_weights import apply_updates
+from jaxamp._optimizer._master_weights import wrap_plain
+from jaxamp._optimizer._state import MixedPrecisionState
+from jaxamp._optimizer._state import get_master_params
+from jaxamp._optimizer._state import maybe_find_state
+from jaxamp._optimizer._state import storage_of
+from jaxamp._precision._policy import Policy
+from jaxamp._precision._policy import get_policy
+from jaxamp._step import _data_parallel
+from jaxamp._step._objective import Objective
+from jaxamp._step._objective import objective_of
 from jaxamp._tree import State
 from jaxamp._tree import in_made_order
 from jaxamp._tree import is_inexact_array
 from jaxamp._tree import row_major_grads
 from jaxamp._tree import select
 from jaxamp._tree import static_field
-from jaxamp.gradients import all_finite
 
 __all__ = ["TrainState", "TrainStep", "device_gradients", "make_train_step",
            "split_micro_batches", "step_rng"]
@@ -488,7 +488,7 @@ class _Axis(_Distribution):
 @dataclasses.dataclass(frozen=True)
 class _Jit(_Distribution):
     """Under ``jax.jit``: the mesh and data axis are found on the arrays at trace time
-    (:mod:`jaxamp._data_parallel`); none is one device."""
+    (:mod:`jaxamp._step._data_parallel`); none is one device."""
 
     mesh: Any
     data_axis: Any
@@ -634,7 +634,7 @@ def step_rng(objective: Objective, state: TrainState):
 def _micro_batch(step: TrainStep, policy: Policy, params, scale, model_state, batch, rng,
                  interpreter: Callable[[], Interpreter] | None = None):
     """``(loss, grads of loss * scale, new model state, aux, seen)`` of one micro-batch (see
-    :class:`~jaxamp._objective.Scaled`: the FP8 metadata handed, differentiated, and what it
+    :class:`~jaxamp._step._objective.Scaled`: the FP8 metadata handed, differentiated, and what it
     saw)."""
     scaled = step.objective.scaled(policy, batch, scale, model_state, rng)
     warn = None

@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._optimizer._rounding import Blockwise8bit
+from jaxamp._optimizer._rounding import dequantize_blockwise
+from jaxamp._optimizer._rounding import quantize_blockwise
+from jaxamp._optimizer._rounding import stochastic_round
 from jaxamp._tree import is_floating_array
-from jaxamp.rounding import Blockwise8bit
-from jaxamp.rounding import dequantize_blockwise
-from jaxamp.rounding import quantize_blockwise
-from jaxamp.rounding import stochastic_round
 
 __all__ = ["FORMATS", "Moments", "parse_moments", "quantized_moments", "stored_moments",
            "warn_half_second_moments"]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp import _attention_structure
+from jaxamp._autocast import _attention_structure
 from jaxamp._jaxpr import Level
 from jaxamp._jaxpr import Literal
 
@@ -70,8 +70,9 @@ class Call:
     scores: Any               # the equation of its first dot_general
     equations: Equations      # its own equations, of ``reads``
     reads: tuple[Any, ...]    # the variables its equations read
-    # What the fused call is made of (:mod:`jaxamp._attention_structure`): the inputs' values
-    # arranged as query, key, value, bias and mask of ``jax.nn.dot_product_attention``, and
+    # What the fused call is made of (:mod:`jaxamp._autocast._attention_structure`): the
+    # inputs' values arranged as query, key, value, bias and mask of
+    # ``jax.nn.dot_product_attention``, and
     # its output put back in the layout of ``output``; ``None``: the inputs are those already.
     arrange: Any = None
     restore: Any = None
@@ -129,7 +130,7 @@ def find_calls(jaxpr: Any) -> dict[int, Call]:
 
 def _by_structure(level: Level, calls: dict[int, Call]) -> dict[int, Call]:
     """``calls`` and the attention found by its structure elsewhere in ``level``
-    (:mod:`jaxamp._attention_structure`): flax's, MaxText's, a hand-written one."""
+    (:mod:`jaxamp._autocast._attention_structure`): flax's, MaxText's, a hand-written one."""
     taken = {i for call in calls.values() for i in call.indices}
     found = dict(calls)
     for j, eqn in enumerate(level.eqns):

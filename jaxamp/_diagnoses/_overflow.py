@@ -22,11 +22,11 @@ from jaxamp._jaxpr import Interpreter
 from jaxamp._jaxpr import is_backward
 from jaxamp._jaxpr import scope
 from jaxamp._jaxpr import where
-from jaxamp._objective import objective_of
-from jaxamp._train_step import TrainStep
-from jaxamp._train_step import device_gradients
-from jaxamp._train_step import make_train_step
-from jaxamp._train_step import step_rng
+from jaxamp._step._objective import objective_of
+from jaxamp._step._train_step import TrainStep
+from jaxamp._step._train_step import device_gradients
+from jaxamp._step._train_step import make_train_step
+from jaxamp._step._train_step import step_rng
 from jaxamp._tree import is_floating_array
 from jaxamp._tree import tree_path_str
 
