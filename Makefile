@@ -156,8 +156,8 @@ gpu-memory: $(STAMP_GPU)
 # its CUDA 13 plugin, for the H200 compile), maxtext 0.2.5 without its dependencies (its extras
 # pin hundreds of packages and another jax), and the packages its config and model code import,
 # each pinned and installed without its own dependencies, so that none of them moves jax.
-# `make maxtext` trains and compiles every remat policy MaxText names under three arms (on 2
-# cores: about 15 minutes).
+# `make maxtext` trains and compiles every remat policy MaxText names under six arms (on 2
+# cores: about 26 minutes).
 VENV_MAXTEXT := .venv-maxtext
 MAXTEXT_OUT ?= runs/maxtext
 MAXTEXT_PACKAGES := maxtext==0.2.5 \

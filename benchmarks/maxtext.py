@@ -17,6 +17,9 @@ Three arms train from the same init on the same batches of random tokens (four b
   ``optax.adam`` step;
 - ``maxtext_bf16``: MaxText's own mixed precision, ``dtype=bfloat16, weight_dtype=float32``,
   with the same plain step: the anchor;
+- ``maxtext_bf16_jaxamp_step``: the second arm's model under ``jaxamp.make_train_step`` with
+  ``mixed_precision(optax.adam(lr), "mixed_bfloat16")``, no autocast: what jaxamp's step (its
+  finite check, skip, loss scale and counters) costs apart from autocast;
 - ``jaxamp_autocast``: the fp32 model of the first arm, ``jaxamp.make_train_step(loss_fn,
   autocast=True)`` on ``jaxamp.TrainState.create(params=..., tx=jaxamp.mixed_precision(
   optax.adam(lr), "mixed_bfloat16"))``: bf16 working params and an fp32 master, 14 bytes a
@@ -39,8 +42,11 @@ Figures, per policy and arm:
    copy of an fp32 param made inside the model counts, a bf16 working param does not);
 3. the loss of each of ``--steps`` steps on XLA:CPU: the last one's relative gap to the anchor's,
    and the largest gap over the steps;
-4. trace + lower + compile seconds on XLA:CPU, ``maxtext_bf16`` and ``jaxamp_autocast`` built
-   anew each round, in a rotating order, ``--rounds`` rounds, the ratio taken round by round;
+4. trace + lower + compile on XLA:CPU, in CPU seconds of the process (all its threads: the
+   other tenants of a shared machine move its wall time more), ``maxtext_bf16``,
+   ``maxtext_bf16_jaxamp_step`` and ``jaxamp_autocast`` built anew each round after one
+   untimed compile of each, jax's caches cleared before each, in a rotating order,
+   ``--rounds`` rounds, the ratio taken round by round;
 5. the step compiled by XLA:GPU for an H200 on this machine, no GPU (``jaxamp.memory``, needs
    jax's CUDA plugin): arguments + outputs - donated + temporaries, the temporaries by dtype and
    by shape, the pinned host buffer an offloading policy fills (not in the GPU's total), and the
@@ -61,6 +67,7 @@ says so and writes a one-line ``maxtext.jsonl``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import glob
 import importlib.metadata
 import importlib.util
@@ -82,12 +89,15 @@ import jaxamp
 from benchmarks import harness
 from jaxamp._diagnoses import _memory
 
-ROUNDS = 3  # compile-time rounds
+ROUNDS = 7  # compile-time rounds
 POLICIES = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj", "minimal_offloaded")
-ARMS = ("fp32", "maxtext_bf16", "jaxamp_autocast", "jaxamp_autocast_kahan",
-        "jaxamp_autocast_recompute")
+ARMS = ("fp32", "maxtext_bf16", "maxtext_bf16_jaxamp_step", "jaxamp_autocast",
+        "jaxamp_autocast_kahan", "jaxamp_autocast_recompute")
 ANCHOR = "maxtext_bf16"
-TIMED = ("maxtext_bf16", "jaxamp_autocast")
+# MaxText's bf16 model under jaxamp's step: what the step costs (its finite check, skip, loss
+# scale and counters, absent from MaxText's bare step) apart from what autocast costs.
+STEP_ANCHOR = "maxtext_bf16_jaxamp_step"
+TIMED = ("maxtext_bf16", STEP_ANCHOR, "jaxamp_autocast")
 LEARNING_RATE = 1e-3
 DISTINCT_BATCHES = 4
 GB = 1e9
@@ -253,6 +263,11 @@ def arms(loss_fp32: Callable, loss_bf16: Callable) -> dict[str, Arm]:
     return {
         "fp32": plain_arm("fp32", loss_fp32),
         "maxtext_bf16": plain_arm("maxtext_bf16", loss_bf16),
+        STEP_ANCHOR: Arm(
+            STEP_ANCHOR, loss_bf16,
+            lambda: jaxamp.make_train_step(loss_bf16, warn_fp32_matmuls=False),
+            lambda params: jaxamp.TrainState.create(params=params, tx=mixed_tx),
+            lambda metrics: metrics["loss"]),
         "jaxamp_autocast": Arm(
             "jaxamp_autocast", loss_fp32,
             lambda: jaxamp.make_train_step(loss_fp32, autocast=True),
@@ -307,17 +322,19 @@ def audit_row(arm: Arm, params: Any, batch: dict) -> dict[str, Any]:
 
 
 def _compile(step: Callable, state: Any, batch: dict) -> tuple[tuple[float, float, float], Any]:
-    """``((trace, lower, compile) seconds, compiled)`` of ``step`` jitted with its state
-    donated."""
+    """``((trace, lower, compile) CPU seconds, compiled)`` of ``step`` jitted with its state
+    donated, jax's caches cleared and the garbage collected first."""
+    jax.clear_caches()
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # make_train_step's fp32-matmul warning, none here
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         traced = jax.jit(step, donate_argnums=0).trace(state, batch)
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         lowered = traced.lower()
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         compiled = lowered.compile()
-        t3 = time.perf_counter()
+        t3 = time.process_time()
     return (t1 - t0, t2 - t1, t3 - t2), compiled
 
 
@@ -327,12 +344,14 @@ def compile_times(by_arm: dict[str, Arm], params: Any, batch: dict, rounds: int,
     compiled steps of the last round are kept for training."""
     times: dict[str, list[tuple[float, float, float]]] = {a: [] for a in TIMED}
     compiled = {}
+    for name in TIMED:  # untimed: the process's first compiles are slower
+        _compile(by_arm[name].make_step(), by_arm[name].init(params), batch)
     for r in range(rounds):
         for name in TIMED[r % len(TIMED):] + TIMED[:r % len(TIMED)]:
             arm = by_arm[name]
             seconds, compiled[name] = _compile(arm.make_step(), arm.init(params), batch)
             times[name].append(seconds)
-            print(f"  {label}, compile round {r + 1}/{rounds}, {name}: {sum(seconds):.1f} s",
+            print(f"  {label}, compile round {r + 1}/{rounds}, {name}: {sum(seconds):.1f} CPU s",
                   flush=True)
     return times, compiled
 
@@ -379,11 +398,11 @@ def cpu_rows(policy: str, shape: Shape, steps: int, rounds: int, out: str) -> di
             trace_s=statistics.median(x[0] for x in t), lower_s=statistics.median(x[1] for x in t),
             compile_s=statistics.median(x[2] for x in t),
             total_compile_s=statistics.median(sum(x) for x in t))
-    base = times[ANCHOR]
-    for name, t in times.items():
-        ratios = [sum(a) / sum(b) for a, b in zip(t, base, strict=True)]
-        rows[name]["compile_vs_anchor"] = statistics.median(ratios)
-        rows[name]["compile_ratios"] = [round(x, 3) for x in ratios]
+    for anchor, key in ((ANCHOR, "compile_vs_anchor"), (STEP_ANCHOR, "compile_vs_step")):
+        for name, t in times.items():
+            ratios = [sum(a) / sum(b) for a, b in zip(t, times[anchor], strict=True)]
+            rows[name][key] = statistics.median(ratios)
+            rows[name][key.replace("_vs_", "_ratios_vs_")] = [round(x, 3) for x in ratios]
     return rows
 
 
@@ -575,8 +594,9 @@ def run(args) -> list[dict]:
               f"layers. CPU figures at {cpu_shape.label()}: matmul FLOPs of the whole step "
               f"(jaxamp.audit), its bf16 share, the half-precision ops that prefer fp32, the loss "
               f"of step {steps} (adam {LEARNING_RATE:g}, {DISTINCT_BATCHES} batches of random "
-              f"tokens cycled), trace + lower + compile on XLA:CPU ({args.rounds} interleaved "
-              "rounds, median; ratio per round, median). "
+              f"tokens cycled), trace + lower + compile on XLA:CPU in CPU seconds ({args.rounds} "
+              "interleaved rounds after one untimed, median; ratio per round, median, over "
+              "maxtext_bf16 and over maxtext_bf16_jaxamp_step). "
               + ("GPU: not compiled (no CUDA plugin, or --gpu none)." if mesh is None else
                  f"GPU: the step compiled for {info['gpu']} with no GPU at {gpu_shape.label()} "
                  "(attention dot_product): arguments + outputs - donated + temporaries, GEMM "
@@ -585,7 +605,7 @@ def run(args) -> list[dict]:
         "maxtext", rows,
         ["policy", "arm", "matmul_gflops", "flops_vs_anchor", "bf16_share", "half_sensitive",
          "saved_vs_anchor", "loss_last", "loss_vs_anchor", "total_compile_s",
-         "compile_vs_anchor", "gpu_gb", "gpu_vs_anchor", "gpu_temp_gb", "host_temp_gb", "gemms",
-         "gemms_vs_anchor"],
+         "compile_vs_anchor", "compile_vs_step", "gpu_gb", "gpu_vs_anchor", "gpu_temp_gb",
+         "host_temp_gb", "gemms", "gemms_vs_anchor"],
         args.out, None, header)
     return rows

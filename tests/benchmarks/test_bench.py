@@ -357,7 +357,8 @@ def test_maxtext_suite_runs_or_says_it_skipped(tiny_runs):
         if r["arm"].startswith("jaxamp_autocast"):
             assert r["bf16_share"] == 1.0 and r["half_sensitive_ops"] == []
         if r["arm"] == "jaxamp_autocast":
-            assert r["compile_vs_anchor"] > 0 and len(r["compile_ratios"]) == 2
+            assert r["compile_vs_anchor"] > 0 and len(r["compile_ratios_vs_anchor"]) == 2
+            assert r["compile_vs_step"] > 0 and len(r["compile_ratios_vs_step"]) == 2
         if r.get("gpu_gb") is not None:
             assert r["gemms"] > 0 and r["gpu_temp_gb"] > 0
 
