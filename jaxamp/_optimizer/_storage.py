@@ -23,6 +23,7 @@ the skip keep one structure under every option.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -371,18 +372,20 @@ class Storage:
         """Updates that land each working param on its new value: the exact difference to the
         cast master where there is one, to the target elsewhere (``-0.0`` where it did not
         move, so that even signed zeros are kept)."""
-        n = len(self.kinds)
-        return jax.tree.unflatten(jax.tree.structure(params), [
-            k.update(p, m, t, d) for k, p, m, t, d in
-            zip(self.kinds, jax.tree.leaves(params), _slots(master, n), targets,
-                self.work_dtypes, strict=True)])
+        return self._landed(params, master, targets, lambda k, *leaf: k.update(*leaf))
 
     def next_params(self, params: Any, master: Any, targets: list) -> Any:
         """The new working params: each leaf's target, else its master's cast, else the param
         (a leaf the optimizer never updates)."""
+        return self._landed(params, master, targets, lambda k, *leaf: k.next_param(*leaf))
+
+    def _landed(self, params: Any, master: Any, targets: list,
+                each: Callable[..., Any]) -> Any:
+        """A tree like the params of ``each(kind, param, master, target, work_dtype)`` per
+        leaf: what a step's new values (:meth:`split`'s) make of each working param."""
         n = len(self.kinds)
         return jax.tree.unflatten(jax.tree.structure(params), [
-            k.next_param(p, m, t, d) for k, p, m, t, d in
+            each(k, p, m, t, d) for k, p, m, t, d in
             zip(self.kinds, jax.tree.leaves(params), _slots(master, n), targets,
                 self.work_dtypes, strict=True)])
 
